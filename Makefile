@@ -1,0 +1,31 @@
+# Every target sets up .venv when it is missing; the pinned CPU torch wheel keeps it small.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/refine: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(BIN)/refine
+
+setup: $(BIN)/refine
+
+demo: setup
+	$(BIN)/refine check models/tp_mlp/seq.json models/tp_mlp/dist.json
+
+test: setup
+	$(BIN)/ruff check refine rules models tests
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check refine rules models tests
+
+bench: setup
+	$(BIN)/python -m refine.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,162 @@
+"""The pipeline: load, lower, relate, infer, check expectations, localize."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from refine.expr import Term
+from refine.format import InputError, load_dist, load_seq
+from refine.ir import Dist, Graph, Placement
+from refine.normalize import UnsupportedOp, lower
+from refine.opset import Registry, ShapeError, load_registry
+from refine.prove import Engine, Inference, frontier, infer
+from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
+from refine.report import Culprit, OutputResult, Report
+
+_ENGINES: dict[int, Engine] = {}
+EXPECT_HOPS = 8
+
+
+def engine_for(registry: Registry) -> Engine:
+    if id(registry) not in _ENGINES:
+        _ENGINES[id(registry)] = Engine(registry)
+    return _ENGINES[id(registry)]
+
+
+def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = ()) -> Report:
+    t0 = time.perf_counter()
+    registry = load_registry(rules)
+    seq = load_seq(seq_path, registry)
+    dist = load_dist(dist_path, registry, seq)
+    return check(seq, dist, registry, str(seq_path), str(dist_path), t0)
+
+
+def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dist_file: str = "dist",
+          t0: float | None = None) -> Report:
+    t0 = time.perf_counter() if t0 is None else t0
+    try:
+        seq_core, rename = lower(seq, registry)
+    except ShapeError as e:
+        raise InputError(seq_file, "$.graph", str(e)) from None
+    except UnsupportedOp as e:
+        raise InputError(seq_file, "$.graph", str(e)) from None
+    try:
+        prog, _ = build_program(dist, registry, dist_file)
+    except UnsupportedOp as e:
+        raise InputError(dist_file, "$.ranks", str(e)) from None
+    inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
+    engine = engine_for(registry)
+    inf = infer(seq_core, inputs, prog, engine, registry)
+
+    explicit = {e.output: e for e in dist.expectations}
+    results: list[OutputResult] = []
+    for out in seq_core.outputs:
+        rel = inf.relations[out.ref]
+        ex = explicit.get(out.name)
+        if ex is not None:
+            results.append(_explicit(out.name, out.role, rel, ex.local or out.name, ex.placements or (), dist,
+                                     prog, engine, registry))
+        else:
+            results.append(_default(out.name, out.role, rel, prog, engine, registry))
+    refines = all(r.ok for r in results)
+    culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry)
+    guesses = [f"{r.source}: replicated (same name and shape on every rank)" for r in dist.relations if r.guessed]
+    stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"]),
+             "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
+             "ranks": len(dist.ranks)}
+    return Report(refines, results, culprit, guesses, stats)
+
+
+def _output_tensors(prog: DistProgram) -> list[str]:
+    return sorted(set(prog.outputs.values()))
+
+
+def _explicit(name: str, role: str, rel: Term, local: str, placements: tuple[Placement, ...], dist: Dist,
+              prog: DistProgram, engine: Engine, registry: Registry) -> OutputResult:
+    wanted = placed_terms(lambda r: f"{local}@{r}", placements, dist.mesh)
+    wanted = [_as_out(t) for t in wanted]
+    tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    res = engine.step(rel, prog, registry, tensors, checks=wanted)
+    ok = all(res.checks)
+    pl = ", ".join(map(str, placements))
+    expect = f"{local} on every rank, placed [{pl}]"
+    detail = "" if ok else f"expected {wanted[res.checks.index(False)]}"
+    return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail)
+
+
+def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
+             registry: Registry) -> OutputResult:
+    tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    res = engine.step(rel, prog, registry, tensors)
+    from_outputs = res.clean and all(t == "Out" for t in _leaf_ops(res.best))
+    detail = "" if from_outputs else (
+        "no clean relation" if not res.clean else "only related to rank intermediates, not to rank outputs")
+    return OutputResult(name, role, str(res.best), res.clean, "reconstructible from rank outputs", from_outputs, detail)
+
+
+def _leaf_ops(t: Term) -> list[str]:
+    if t.op in ("D", "Out"):
+        return [t.op]
+    return [x for a in t.args for x in _leaf_ops(a)]
+
+
+def _as_out(t: Term) -> Term:
+    if t.op == "D":
+        return Term("Out", (), t.attrs)
+    return Term(t.op, tuple(_as_out(a) for a in t.args), t.attrs)
+
+
+def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inference, prog: DistProgram,
+             registry: Registry) -> Culprit:
+    """The first sequential node, in topological order, with no clean relation among the
+    ancestors of a failing output; else the node producing the failing output."""
+    order = {n.name: i for i, n in enumerate(core.nodes)}
+    failing = [r for r in results if not r.ok]
+    refs = {o.name: o.ref for o in core.outputs}
+    ancestors: set[str] = set()
+    for r in failing:
+        ancestors |= _ancestors(core, refs[r.name])
+    unclean = sorted((n for n in ancestors if n in order and not inf.clean.get(n, True)), key=order.get)
+    first = failing[0]
+    if unclean:
+        node = core.index()[unclean[0]]
+        reason = "no clean relation: no expression over rank tensors built from concat/slice/sum/scale/views equals it"
+    else:
+        target = min((refs[r.name] for r in failing), key=lambda n: order.get(n, -1))
+        first = next(r for r in failing if refs[r.name] == target)
+        node = core.index().get(target)
+        reason = f"output {first.name!r}: relation {first.relation} does not meet the expectation ({first.detail})"
+        if node is None:  # the output is an input of the sequential graph
+            return Culprit(target, "input", None, None, [], [], first.relation, reason, first.name)
+    user = node.origin or node.name
+    user_node = next((n for n in seq.nodes if n.name == user), None)
+    inputs = [(a, str(inf.relations[a])) for a in node.tensor_args()]
+    leaves: set[str] = set()
+    for a in node.tensor_args():
+        leaves |= inf.relations[a].leaves()
+    rank_nodes = []
+    for x in sorted(leaves):
+        for u in prog.users.get(x, []):
+            n = prog.nodes.get(u)
+            if n is not None:
+                rank_nodes.append(f"{u}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
+                                  + (f" at {n.source}" if n.source else ""))
+    return Culprit(user, user_node.op if user_node else node.op, node.source, node.name, inputs,
+                   sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name)
+
+
+def _ancestors(g: Graph, ref: str) -> set[str]:
+    idx = g.index()
+    out: set[str] = set()
+    stack = [ref]
+    while stack:
+        x = stack.pop()
+        if x in out:
+            continue
+        out.add(x)
+        n = idx.get(x)
+        if n is not None and hasattr(n, "args"):
+            stack.extend(n.tensor_args())  # type: ignore[union-attr]
+    return out

@@ -1,0 +1,309 @@
+"""Terms: expressions over rank tensors, as relations are written, printed and put into egglog.
+
+A `Term` is an op name, tensor arguments and attributes (positional, in the op's order).
+Leaves are rank tensors, `D("h@1")`. `Sum` and `Max` are n-ary and unordered; `Scale`
+multiplies by an exact rational. Everything else follows the op registry.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+LEAF_OPS = ("D", "Out")
+NARY = ("Sum", "Max")
+
+
+@dataclass(frozen=True)
+class Term:
+    op: str
+    args: tuple[Term, ...] = ()
+    attrs: tuple[Any, ...] = ()
+
+    def leaves(self) -> set[str]:
+        if self.op in LEAF_OPS:
+            return {self.attrs[0]}
+        out: set[str] = set()
+        for a in self.args:
+            out |= a.leaves()
+        return out
+
+    def ops(self) -> set[str]:
+        out = {self.op}
+        for a in self.args:
+            out |= a.ops()
+        return out
+
+    def __str__(self) -> str:
+        return show(self)
+
+
+def leaf(name: str) -> Term:
+    return Term("D", (), (name,))
+
+
+def cat(parts: list[Term], dim: int) -> Term:
+    """Right-nested binary concat, the one form the rules know."""
+    if len(parts) == 1:
+        return parts[0]
+    return Term("cat", (parts[0], cat(parts[1:], dim)), (dim,))
+
+
+def nary(op: str, terms: list[Term]) -> Term:
+    flat: list[Term] = []
+    for t in terms:
+        flat.extend(t.args if t.op == op else [t])
+    return flat[0] if len(flat) == 1 else Term(op, tuple(flat))
+
+
+def scale(t: Term, c: Fraction) -> Term:
+    return t if c == 1 else Term("Scale", (t,), (Fraction(c),))
+
+
+# ---------------------------------------------------------------------------------------
+# Printing, the way reports show relations: cat(a@0, a@1, dim=0), a@0 + a@1, 1/2 * x@0.
+
+
+def show(t: Term) -> str:
+    if t.op in LEAF_OPS:
+        return t.attrs[0]
+    if t.op == "cat":
+        parts, node = [], t
+        while node.op == "cat" and node.attrs == t.attrs:
+            parts.append(node.args[0])
+            node = node.args[1]
+        parts.append(node)
+        return f"cat({', '.join(show(p) for p in parts)}, dim={t.attrs[0]})"
+    if t.op == "Sum":
+        return "(" + " + ".join(sorted(show(a) for a in t.args)) + ")"
+    if t.op == "Max":
+        return "max(" + ", ".join(sorted(show(a) for a in t.args)) + ")"
+    if t.op == "Scale":
+        return f"{t.attrs[0]} * {show(t.args[0])}"
+    if t.op == "slice":
+        d, s, e = t.attrs
+        return f"slice({show(t.args[0])}, dim={d}, {s}:{e})"
+    inner = [show(a) for a in t.args] + [_show_attr(a) for a in t.attrs]
+    return f"{t.op}({', '.join(inner)})"
+
+
+def _show_attr(a: Any) -> str:
+    if isinstance(a, tuple):
+        return "[" + ", ".join(map(str, a)) + "]"
+    return str(a)
+
+
+# ---------------------------------------------------------------------------------------
+# egglog text. Attribute sorts come from the registry's signatures.
+
+
+def to_egglog(t: Term, sorts: dict[str, tuple[str, ...]]) -> str:
+    if t.op in LEAF_OPS:
+        return f'({t.op} "{t.attrs[0]}")'
+    if t.op in NARY:
+        return f"({t.op} (multiset-of {' '.join(to_egglog(a, sorts) for a in t.args)}))"
+    parts = [to_egglog(a, sorts) for a in t.args]
+    for a, sort in zip(t.attrs, sorts[t.op], strict=True):
+        parts.append(lit(a, sort))
+    return f"({t.op} {' '.join(parts)})" if parts else f"({t.op})"
+
+
+def lit(a: Any, sort: str) -> str:
+    if sort == "i64":
+        return str(int(a))
+    if sort == "IV":
+        return f"(vec-of {' '.join(str(int(x)) for x in a)})" if a else "(vec-empty)"
+    if sort == "f64":
+        v = float(a)
+        if v != v or v in (float("inf"), float("-inf")):
+            # egglog has no literal for these; a stable stand-in keeps terms comparable
+            return {"inf": "1e308", "-inf": "-1e308"}.get(str(v), "1.7e308")
+        text = repr(v)
+        return text if ("." in text or "e" in text) else text + ".0"
+    if sort == "BigRat":
+        f = Fraction(a)
+        return f"(bigrat (bigint {f.numerator}) (bigint {f.denominator}))"
+    if sort == "bool":
+        return "true" if a else "false"
+    if sort == "String":
+        return '"' + str(a).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise ValueError(f"unknown sort {sort}")
+
+
+_TOKEN = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
+
+
+def parse_sexp(text: str) -> Any:
+    tokens = [m.group(1) for m in _TOKEN.finditer(text)]
+    pos = 0
+
+    def read() -> Any:
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok == "(":
+            items = []
+            while tokens[pos] != ")":
+                items.append(read())
+            pos += 1
+            return items
+        return tok
+
+    return read()
+
+
+def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:
+    """An extracted egglog term back into a Term."""
+    if isinstance(sexp, str):
+        raise ValueError(f"expected a tensor term, got {sexp}")
+    head, *rest = sexp
+    if head in LEAF_OPS:
+        return Term(head, (), (_unquote(rest[0]),))
+    if head in NARY:
+        ms = rest[0]
+        items = ms[1:] if isinstance(ms, list) else []
+        return Term(head, tuple(from_egglog(x, sorts) for x in items))
+    attr_sorts = sorts[head]
+    n_t = len(rest) - len(attr_sorts)
+    args = tuple(from_egglog(x, sorts) for x in rest[:n_t])
+    attrs = tuple(_read_lit(x, s) for x, s in zip(rest[n_t:], attr_sorts, strict=True))
+    return Term(head, args, attrs)
+
+
+def _unquote(s: str) -> str:
+    return s[1:-1].replace('\\"', '"').replace("\\\\", "\\")
+
+
+def _read_lit(x: Any, sort: str) -> Any:
+    if sort == "i64":
+        return int(x)
+    if sort == "IV":
+        return tuple(int(v) for v in x[1:]) if isinstance(x, list) else ()
+    if sort == "f64":
+        return float(x)
+    if sort == "BigRat":
+        # (bigrat (from-string "1") (from-string "6")) or (bigrat (bigint 1) (bigint 6))
+        return Fraction(int(_unquote_num(x[1][1])), int(_unquote_num(x[2][1])))
+    if sort == "bool":
+        return x == "true"
+    if sort == "String":
+        return _unquote(x)
+    raise ValueError(sort)
+
+
+def _unquote_num(s: str) -> str:
+    return s[1:-1] if s.startswith('"') else s
+
+
+# ---------------------------------------------------------------------------------------
+# The relation language users write for explicit layouts:
+#   cat(slice(qkv@0, 0, 0, 4), slice(qkv@1, 0, 0, 4), dim=0)
+#   sum(x@0, x@1)    scale(x@0, 1/2)    view(x@0, [4, 2])    transpose(x@0, 0, 1)
+
+_LAYOUT_TOKEN = re.compile(r"\s*([A-Za-z_][\w.]*@\d+|[A-Za-z_]\w*|-?\d+/\d+|-?\d+(?:\.\d+)?|[(),=\[\]])")
+
+
+class LayoutSyntaxError(ValueError):
+    pass
+
+
+def parse_layout(text: str) -> Term:
+    toks: list[str] = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        m = _LAYOUT_TOKEN.match(text, pos)
+        if not m or m.end() == pos:
+            raise LayoutSyntaxError(f"unexpected character at {pos}: {text[pos:pos + 10]!r}")
+        toks.append(m.group(1))
+        pos = m.end()
+    i = 0
+
+    def peek() -> str:
+        return toks[i] if i < len(toks) else ""
+
+    def take(expect: str | None = None) -> str:
+        nonlocal i
+        if i >= len(toks):
+            raise LayoutSyntaxError("unexpected end of expression")
+        tok = toks[i]
+        if expect is not None and tok != expect:
+            raise LayoutSyntaxError(f"expected {expect!r}, found {tok!r}")
+        i += 1
+        return tok
+
+    def value() -> Any:
+        tok = peek()
+        if tok == "[":
+            take("[")
+            items = []
+            while peek() != "]":
+                items.append(int(take()))
+                if peek() == ",":
+                    take(",")
+            take("]")
+            return tuple(items)
+        if re.fullmatch(r"-?\d+/\d+", tok):
+            take()
+            return Fraction(tok)
+        if re.fullmatch(r"-?\d+", tok):
+            take()
+            return int(tok)
+        if re.fullmatch(r"-?\d+\.\d+", tok):
+            take()
+            return Fraction(tok)
+        return expr()
+
+    def expr() -> Term:
+        tok = take()
+        if "@" in tok:
+            return leaf(tok)
+        name = tok
+        take("(")
+        pos_args: list[Any] = []
+        kw: dict[str, Any] = {}
+        while peek() != ")":
+            if i + 1 < len(toks) and toks[i + 1] == "=":
+                key = take()
+                take("=")
+                kw[key] = value()
+            else:
+                pos_args.append(value())
+            if peek() == ",":
+                take(",")
+        take(")")
+        return _layout_term(name, pos_args, kw)
+
+    t = expr()
+    if i != len(toks):
+        raise LayoutSyntaxError(f"unexpected {toks[i]!r} after the expression")
+    return t
+
+
+def _layout_term(name: str, args: list[Any], kw: dict[str, Any]) -> Term:
+    terms = [a for a in args if isinstance(a, Term)]
+    rest = [a for a in args if not isinstance(a, Term)]
+    try:
+        if name == "cat":
+            dim = kw.get("dim", rest[0] if rest else None)
+            if dim is None:
+                raise LayoutSyntaxError("cat needs dim=")
+            return cat(terms, int(dim))
+        if name == "slice":
+            d, s, e = (kw.get("dim", rest[0] if rest else None), *rest[-2:])
+            return Term("slice", (terms[0],), (int(d), int(s), int(e)))
+        if name == "sum":
+            return nary("Sum", terms)
+        if name == "max":
+            return nary("Max", terms)
+        if name == "scale":
+            return scale(terms[0], Fraction(kw.get("by", rest[0] if rest else 1)))
+        if name == "view":
+            return Term("view", (terms[0],), (tuple(kw.get("shape", rest[0] if rest else ())),))
+        if name == "transpose":
+            return Term("transpose", (terms[0],), (int(rest[0]), int(rest[1])))
+    except (IndexError, TypeError) as e:
+        raise LayoutSyntaxError(f"bad arguments to {name}: {e}") from None
+    raise LayoutSyntaxError(f"{name!r} is not in the relation language (cat, slice, sum, max, scale, view, transpose)")

@@ -1,0 +1,181 @@
+"""The IR: a graph of tensor ops, small enough to hold in your head.
+
+A `Graph` has typed inputs, nodes in topological order and named outputs. A `Node` applies
+an op to tensor arguments (references to inputs or other nodes, or number literals) and
+attributes (plain data). Every node has exactly one tensor output; multi-output ops are
+split into one node per output when a graph is loaded.
+
+A `Dist` is a device mesh plus one Graph per rank, the input relations (how each
+sequential input lives on the ranks) and the expectations on outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+Shape = tuple[int, ...]
+Arg = str | float | int | bool  # a str is a reference to an input or node of the same graph
+
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: Shape
+    dtype: str = "float32"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(map(str, self.shape))}]"
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    type: TensorType
+    role: str = "data"  # parameter | data | buffer
+    source: str | None = None
+
+
+@dataclass
+class Node:
+    name: str
+    op: str
+    args: list[Arg]
+    attrs: dict[str, Any]
+    type: TensorType
+    source: str | None = None  # "file.py:line" where the op was written
+    origin: str | None = None  # the user's node this one was decomposed from, if any
+
+    def tensor_args(self) -> list[str]:
+        return [a for a in self.args if isinstance(a, str)]
+
+    def __str__(self) -> str:
+        args = ", ".join(str(a) for a in self.args)
+        attrs = "".join(f", {k}={v}" for k, v in self.attrs.items())
+        return f"{self.name} = {self.op}({args}{attrs}) : {self.type}"
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    ref: str
+    role: str = "other"  # loss | gradient | activation | other
+    of: str | None = None  # for a gradient: the parameter it is the gradient of
+
+
+@dataclass
+class Graph:
+    inputs: list[Input] = field(default_factory=list)
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Output] = field(default_factory=list)
+    name: str = "graph"
+
+    def __post_init__(self) -> None:
+        self._index: dict[str, Input | Node] | None = None
+
+    def index(self) -> dict[str, Input | Node]:
+        if self._index is None or len(self._index) != len(self.inputs) + len(self.nodes):
+            self._index = {i.name: i for i in self.inputs} | {n.name: n for n in self.nodes}
+        return self._index
+
+    def type_of(self, ref: str) -> TensorType:
+        return self.index()[ref].type
+
+    def users(self) -> dict[str, list[Node]]:
+        out: dict[str, list[Node]] = {name: [] for name in self.index()}
+        for n in self.nodes:
+            for a in n.tensor_args():
+                out[a].append(n)
+        return out
+
+    def output(self, name: str) -> Output:
+        for o in self.outputs:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a sequential tensor lies along one mesh axis."""
+
+    kind: str  # replicate | shard | partial
+    dim: int | None = None  # for shard
+    reduce: str = "sum"  # for partial
+
+    def __str__(self) -> str:
+        if self.kind == "shard":
+            return f"Shard({self.dim})"
+        if self.kind == "partial":
+            return f"Partial({self.reduce})"
+        return "Replicate"
+
+
+@dataclass(frozen=True)
+class Relation:
+    """A sequential input (`source`) and how the ranks hold it.
+
+    Either `placements` (one per mesh axis) applied to the rank input named `local`, or a
+    `layout`: an explicit relation expression over rank inputs (`name@rank`) that equals the
+    sequential input, for fused weights.
+    """
+
+    source: str
+    local: str | None = None
+    placements: tuple[Placement, ...] | None = None
+    layout: Any = None  # a refine.expr.Expr over rank tensors
+    guessed: bool = False
+    where: str = ""  # json path, for messages
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """A sequential output must equal rank outputs `local` placed by `placements`."""
+
+    output: str  # sequential output name
+    local: str | None = None  # rank output name; None: reconstructible from rank outputs
+    placements: tuple[Placement, ...] | None = None
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axes: tuple[tuple[str, int], ...]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for _, s in self.axes:
+            n *= s
+        return n
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for _, s in reversed(self.axes):
+            out.append(rank % s)
+            rank //= s
+        return tuple(reversed(out))
+
+    def rank(self, coords: tuple[int, ...]) -> int:
+        r = 0
+        for (_, s), c in zip(self.axes, coords, strict=True):
+            r = r * s + c
+        return r
+
+
+@dataclass
+class Dist:
+    mesh: Mesh
+    ranks: dict[int, Graph]
+    relations: list[Relation]
+    expectations: list[Expectation]
+
+
+def tensor_name(rank: int, name: str) -> str:
+    """The global name of a rank's tensor, as relations print it."""
+    return f"{name}@{rank}"

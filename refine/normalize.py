@@ -1,0 +1,131 @@
+"""Lower a user graph to core ops: the only ops the e-graph knows.
+
+Each user node either is a core op already (kept, attributes normalised) or decomposes
+through its op's `decompose` into core nodes emitted by a `Builder`. Decomposed nodes keep
+`origin` = the user node, so a bug found in them is reported at the user's node and source
+line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from refine.ir import Arg, Graph, Node, TensorType
+from refine.opset import Op, Registry, ShapeError
+
+
+class UnsupportedOp(ValueError):
+    """An op with neither a rule family nor a decomposition: the check fails closed."""
+
+
+@dataclass
+class Builder:
+    registry: Registry
+    graph: Graph  # the core graph being built
+    origin: str = ""
+    source: str | None = None
+    count: int = 0
+    alias: dict[str, str] = field(default_factory=dict)
+
+    def type(self, ref: str) -> TensorType:
+        return self.graph.type_of(ref)
+
+    def emit(self, op: str, args: list[Arg], attrs: dict[str, Any] | None = None,
+             type: TensorType | None = None, name: str | None = None) -> str:
+        spec = self.registry.ops[op]
+        attrs = dict(attrs or {})
+        ins = [self.type(a) for a in args if isinstance(a, str)]
+        inferred = spec.shape(ins, attrs)
+        if type is not None and type.shape != inferred.shape:
+            raise ShapeError(f"{op} gives shape {list(inferred.shape)}, node says {list(type.shape)}")
+        if name is None:
+            self.count += 1
+            name = f"{self.origin}.{self.count}"
+        out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
+        self.graph.nodes.append(Node(name, op, list(args), attrs, out, self.source, self.origin))
+        self.graph._index = None
+        return name
+
+    # conveniences for decompositions
+
+    def const(self, value: float, shape: tuple[int, ...], dtype: str = "float32") -> str:
+        return self.emit("full", [], {"value": float(value), "shape": tuple(shape)},
+                         TensorType(tuple(shape), dtype))
+
+    def broadcast(self, arg: Arg, shape: tuple[int, ...], dtype: str = "float32") -> str:
+        """A tensor argument of `shape`: literals become constants, smaller tensors expand."""
+        if not isinstance(arg, str):
+            return self.const(float(arg), shape, dtype)
+        if self.type(arg).shape == tuple(shape):
+            return arg
+        return self.emit("expand", [arg], {"shape": tuple(shape)})
+
+    def scale(self, ref: str, factor: Fraction) -> str:
+        return ref if factor == 1 else self.emit("Scale", [ref], {"factor": Fraction(factor)})
+
+    def view(self, ref: str, shape: tuple[int, ...]) -> str:
+        return ref if self.type(ref).shape == tuple(shape) else self.emit("view", [ref], {"shape": tuple(shape)})
+
+    def transpose(self, ref: str, i: int, j: int) -> str:
+        return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
+
+
+def normalize_dim(d: int, ndim: int) -> int:
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise ShapeError(f"dim {d} is out of range for a {ndim}-d tensor")
+    return d % max(ndim, 1)
+
+
+def normalize_attrs(op: Op, attrs: dict[str, Any], ins: list[TensorType]) -> dict[str, Any]:
+    """Fill defaults, normalise negative dims against the first tensor argument."""
+    out = dict(attrs)
+    ndim = ins[0].ndim if ins else 0
+    for name, kind in op.attrs:
+        optional = kind.endswith("?")
+        kind = kind.rstrip("?")
+        if name not in out:
+            if optional:
+                continue
+            raise ShapeError(f"missing attribute {name!r}")
+        v = out[name]
+        if kind == "dim" and v is not None:
+            out[name] = normalize_dim(int(v), ndim)
+        elif kind == "dims" and v is not None:
+            vs = [v] if isinstance(v, int) else v
+            out[name] = tuple(normalize_dim(int(x), ndim) for x in vs)
+        elif kind in ("ints", "shape") and v is not None:
+            out[name] = tuple(int(x) for x in v)
+        elif kind == "rational":
+            out[name] = Fraction(v)
+    return out
+
+
+def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
+    """The core graph, and the map from each user tensor name to its core tensor name."""
+    core = Graph(list(graph.inputs), [], [], graph.name)
+    rename: dict[str, str] = {i.name: i.name for i in graph.inputs}
+    for n in graph.nodes:
+        op = registry.ops.get(n.op)
+        if op is None:
+            raise UnsupportedOp(f"op {n.op!r} (node {n.name!r}) has no rule family and no decomposition")
+        args = [rename[a] if isinstance(a, str) else a for a in n.args]
+        b = Builder(registry, core, origin=n.origin or n.name, source=n.source)
+        ins = [core.type_of(a) for a in args if isinstance(a, str)]
+        attrs = normalize_attrs(op, n.attrs, ins)
+        if op.kind == "identity":
+            rename[n.name] = args[0]  # type: ignore[assignment]
+            continue
+        if op.decompose is not None:
+            out = op.decompose(b, args, attrs, n.type)
+            if core.type_of(out).shape != n.type.shape:
+                raise ShapeError(f"{n.op} gives shape {list(core.type_of(out).shape)}, node says {list(n.type.shape)}")
+            rename[n.name] = out
+            continue
+        if not op.core and op.kind != "collective":
+            raise UnsupportedOp(f"op {n.op!r} (node {n.name!r}) is not a core op and has no decomposition")
+        b.emit(n.op, args, attrs, n.type, name=n.name)
+        rename[n.name] = n.name
+    core.outputs = [type(o)(o.name, rename[o.ref], o.role, o.of) for o in graph.outputs]
+    return core, rename

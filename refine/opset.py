@@ -1,0 +1,265 @@
+"""Ops and rules as declarative values, and the registry that loads them from `rules/`.
+
+An `Op` says what an op means: its signature, its shape rule, its torch reference (used by
+the evaluator and the rule checker) and either how it appears in the e-graph (a `core` op,
+an egglog constructor) or how it decomposes into core ops. A `Rule` is one egglog command
+(a rewrite or a rule) with a name and a family. Rule files in `rules/` export `OPS` and
+`RULES`; `RULES` may also be a function of the registry, for rule templates that apply to
+every op of a kind (say, every unary elementwise op distributes over concat).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from refine.ir import TensorType
+
+# Attribute kinds and the egglog sort each one becomes.
+ATTR_SORTS = {
+    "int": "i64",
+    "dim": "i64",  # a dim of the first tensor argument; negative values are normalised
+    "ints": "IV",
+    "dims": "IV",
+    "shape": "IV",
+    "float": "f64",
+    "rational": "BigRat",
+    "bool": "bool",
+    "str": "String",
+}
+
+# Extraction costs. A relation is clean when extraction finds no compute op in it.
+LEAF_OUT = 1  # a rank output
+LEAF = 3  # any other rank tensor
+CLEAN = 2
+COMPUTE = 100_000
+
+
+class ShapeError(ValueError):
+    """An op applied to arguments its shape rule rejects."""
+
+
+ShapeFn = Callable[[list[TensorType], dict[str, Any]], TensorType]
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    inputs: int  # number of tensor arguments; -1 for a list of any length
+    shape: ShapeFn
+    attrs: tuple[tuple[str, str], ...] = ()  # (name, kind); a kind ending in "?" is optional
+    ref: Callable[..., Any] | None = None  # torch semantics: ref(*tensors, **attrs)
+    core: bool = False  # an egglog constructor; otherwise it must decompose
+    clean: bool = False  # allowed in a clean relation
+    kind: str = "compute"  # unary | binary | clean | compute | collective | identity
+    decompose: Callable[..., str] | None = None  # (builder, args, attrs, out_type) -> ref
+    egglog_shape: str | None = None  # egglog rule deriving (shape e) for new terms
+    lower: Callable[..., Any] | None = None  # collectives: (inputs by group member, index, attrs) -> Term
+    family: str = ""
+    doc: str = ""
+
+    @property
+    def cost(self) -> int:
+        return CLEAN if self.clean else COMPUTE
+
+    def attr_kinds(self) -> dict[str, str]:
+        return dict(self.attrs)
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    text: str  # one egglog command
+    family: str = ""
+    doc: str = ""
+
+
+@dataclass
+class Registry:
+    ops: dict[str, Op] = field(default_factory=dict)
+    rules: list[Rule] = field(default_factory=list)
+    families: list[str] = field(default_factory=list)
+    decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
+
+    def add_family(self, name: str, module: ModuleType) -> None:
+        self.families.append(name)
+        for op in getattr(module, "OPS", []):
+            if op.name in self.ops:
+                raise ValueError(f"rule family {name}: op {op.name!r} is already defined")
+            self.ops[op.name] = _with_family(op, name)
+        self.decls.extend(getattr(module, "DECLS", []))
+        self._pending.append((name, getattr(module, "RULES", [])))
+
+    def finish(self) -> Registry:
+        # templates see every op of every family, so they run after all files are read
+        for name, rules in self._pending:
+            made: Iterable[Rule] = rules(self) if callable(rules) else rules
+            for r in made:
+                self.rules.append(Rule(r.name, r.text, r.family or name, r.doc))
+        self._pending.clear()
+        names = [r.name for r in self.rules]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate rule names: {sorted(dup)}")
+        return self
+
+    def __post_init__(self) -> None:
+        self._pending: list[tuple[str, Any]] = []
+
+    def of_kind(self, kind: str) -> list[Op]:
+        return [op for op in self.ops.values() if op.kind == kind]
+
+
+def _with_family(op: Op, family: str) -> Op:
+    from dataclasses import replace
+
+    return op if op.family else replace(op, family=family)
+
+
+def builtin_rules_dir() -> Path:
+    """`rules/` of a checkout, or the copy installed as `refine.rules_builtin`."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "rules"
+    if checkout.is_dir():
+        return checkout
+    spec = importlib.util.find_spec("refine.rules_builtin")
+    if spec and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    raise FileNotFoundError("cannot find the rules/ directory")
+
+
+def _load_module(path: Path) -> ModuleType:
+    mod_name = f"refine_rules_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load rule file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_CACHE: dict[tuple[str, ...], Registry] = {}
+
+
+def load_registry(extra_dirs: Iterable[Path | str] = ()) -> Registry:
+    """All rule families: the built-in ones, then each extra directory's, in file order."""
+    dirs = [builtin_rules_dir(), *(Path(d) for d in extra_dirs)]
+    key = tuple(str(d.resolve()) for d in dirs)
+    if key in _CACHE:
+        return _CACHE[key]
+    reg = Registry()
+    for d in dirs:
+        if not d.is_dir():
+            raise FileNotFoundError(f"rule directory {d} does not exist")
+        for path in sorted(d.glob("*.py")):
+            if path.name.startswith("_"):
+                continue
+            reg.add_family(path.stem, _load_module(path))
+    _CACHE[key] = reg.finish()
+    return _CACHE[key]
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers for rule files: shape rules and rule constructors.
+
+
+def same_shape(arg: int = 0) -> ShapeFn:
+    def rule(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+        shapes = {t.shape for t in ins}
+        if len(shapes) > 1:
+            raise ShapeError(f"operands must have one shape, got {[t.shape for t in ins]}")
+        return TensorType(ins[arg].shape, ins[arg].dtype)
+
+    return rule
+
+
+def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "") -> Rule:
+    """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
+    d of x and `(ndim x)` its rank; both read the shape analysis."""
+    lhs, rhs = _macros(lhs), _macros(rhs)
+    conds = [_macros(c) for c in when]
+    rhs, binds = _hoist(rhs)
+    if not binds:
+        text = f"(rewrite {lhs} {rhs}" + (f" :when ({' '.join(conds)})" if conds else "") + ")"
+        return Rule(name, text, doc=doc)
+    # egglog reads functions such as (shape x) in queries only: bind them there
+    query = " ".join([f"(= __e {lhs})", *conds, *binds])
+    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc)
+
+
+def rule(name: str, query: list[str], actions: list[str], doc: str = "") -> Rule:
+    q = [_macros(x) for x in query]
+    acts = []
+    for a in actions:
+        a, binds = _hoist(_macros(a), start=len(acts) * 100)
+        q += binds
+        acts.append(a)
+    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc)
+
+
+def _hoist(text: str, start: int = 0) -> tuple[str, list[str]]:
+    """Replace each `(shape X)` with a variable bound by a query fact."""
+    binds: list[str] = []
+    seen: dict[str, str] = {}
+    out = []
+    i = 0
+    while i < len(text):
+        if text.startswith("(shape ", i):
+            j = _end_of_atom(text, i)
+            expr = text[i:j]
+            if expr not in seen:
+                seen[expr] = f"__s{start + len(seen)}"
+                binds.append(f"(= {seen[expr]} {expr})")
+            out.append(seen[expr])
+            i = j
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out), binds
+
+
+def _macros(text: str) -> str:
+    # (size x d) -> (vec-get (shape x) d); (ndim x) -> (vec-length (shape x))
+    out = []
+    i = 0
+    while i < len(text):
+        if text.startswith("(size ", i):
+            out.append("(vec-get (shape ")
+            i += len("(size ")
+            j = _end_of_atom(text, i)
+            out.append(text[i:j] + ")")
+            i = j
+        elif text.startswith("(ndim ", i):
+            out.append("(vec-length (shape ")
+            i += len("(ndim ")
+            j = _end_of_atom(text, i)
+            out.append(text[i:j] + "))")
+            i = j
+            # skip the closing paren of (ndim x)
+            assert text[i] == ")", text
+            i += 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _end_of_atom(text: str, i: int) -> int:
+    if text[i] == "(":
+        depth = 0
+        for j in range(i, len(text)):
+            depth += text[j] == "("
+            depth -= text[j] == ")"
+            if depth == 0:
+                return j + 1
+        raise ValueError(f"unbalanced rule text: {text}")
+    j = i
+    while j < len(text) and text[j] not in " )":
+        j += 1
+    return j

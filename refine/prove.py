@@ -1,0 +1,255 @@
+"""Relation inference on egglog.
+
+One `Engine` holds the declarations and every rule. Each `step` pushes a small e-graph:
+one sequential term (an op applied to its inputs' relations), the definitions of the rank
+tensors near those relations' leaves, and asks for the cheapest equal term. Rank tensors
+cost little, the relation language little more, compute ops a lot: the result is a clean
+relation exactly when one exists in the e-graph. The walk over the sequential graph in
+topological order keeps every e-graph small.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from egglog import bindings
+
+from refine.expr import LEAF_OPS, NARY, Term, from_egglog, lit, parse_sexp
+from refine.ir import Graph, Node
+from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry
+from refine.relate import DistProgram, term_type
+
+CLEAN_OPS = {"D", "Out"}
+ITERATIONS = 14
+
+
+@dataclass
+class StepResult:
+    best: Term
+    cost: int
+    found: list[str]
+    checks: list[bool]
+    seconds: float
+
+    @property
+    def clean(self) -> bool:
+        return self.cost < COMPUTE
+
+
+@dataclass
+class Engine:
+    registry: Registry
+    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0})
+
+    def __post_init__(self) -> None:
+        reg = self.registry
+        self.core = {n: op for n, op in reg.ops.items() if op.core}
+        self.sorts = {n: tuple(ATTR_SORTS[k.rstrip("?")] for _, k in op.attrs) for n, op in self.core.items()}
+        self.clean_ops = CLEAN_OPS | {n for n, op in self.core.items() if op.clean}
+        self.eg = bindings.EGraph()
+        self._run(self.declarations())
+
+    def declarations(self) -> str:
+        lines = [
+            "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec i64))", "(sort TF (UnstableFn (T) T))",
+            f"(constructor D (String) T :cost {LEAF})",
+            f"(constructor Out (String) T :cost {LEAF_OUT})",
+            "(function shape (T) IV :merge old)",
+            "(constructor Mark (T) T)", "(relation Found (String))",
+            "(ruleset shapes)",
+        ]
+        for name, op in self.core.items():
+            args = "TS" if op.kind == "nary" else " ".join(["T"] * op.inputs + list(self.sorts[name]))
+            lines.append(f"(constructor {name} ({args}) T :cost {op.cost})")
+        lines += self.registry.decls
+        lines.append("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))")
+        for op in self.core.values():
+            if op.egglog_shape:
+                lines.append(_in_ruleset(op.egglog_shape, "shapes"))
+        for r in self.registry.rules:
+            text = r.text
+            if r.name.startswith("prefix-product"):
+                text = _in_ruleset(text, "shapes")
+            lines.append(text)
+        return "\n".join(lines)
+
+    def _run(self, program: str) -> list:
+        try:
+            return self.eg.run_program(*self.eg.parse_program(program))
+        except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
+            raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
+
+    def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
+             checks: Iterable[Term] = (), seq_type_hint: object = None) -> StepResult:
+        """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
+        add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
+        and whether each of `checks` was proven equal to it."""
+        t0 = time.perf_counter()
+        em = _Emitter(self.sorts, prog, registry)
+        for name in tensors:
+            em.define(name)
+        for out_name, tensor in prog.outputs.items():
+            if prog.same.find(tensor) in em.shaped:
+                em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
+        root = em.term(seq, typed=True)
+        em.lines.append(f"(let $__seq {root})")
+        em.lines.append("(let $__mark (Mark $__seq))")
+        program = "\n".join(em.lines)
+        self._run("(push)")
+        try:
+            self._run(program)
+            self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            out = self._run("(extract $__seq)\n(print-function Found 100000)")
+            best_out = out[0]
+            best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
+            cost = int(best_out.cost)
+            found = re.findall(r'\(Found "([^"]*)"\)', str(out[1]))
+            results = []
+            for c in checks:
+                ce = em.term(c, typed=False, inline=True)
+                try:
+                    self._run(f"(check (= $__seq {ce}))")
+                    results.append(True)
+                except RuntimeError:
+                    results.append(False)
+        finally:
+            self._run("(pop)")
+        dt = time.perf_counter() - t0
+        self.stats["steps"] += 1
+        self.stats["seconds"] += dt
+        return StepResult(best, cost, found, results, dt)
+
+
+def _in_ruleset(text: str, ruleset: str) -> str:
+    assert text.endswith(")")
+    return text[:-1] + f" :ruleset {ruleset})"
+
+
+class _Emitter:
+    """SSA-style egglog text: one `let` per distinct subterm, shapes from Python's types."""
+
+    def __init__(self, sorts: dict[str, tuple[str, ...]], prog: DistProgram, registry: Registry) -> None:
+        self.sorts, self.prog, self.registry = sorts, prog, registry
+        self.lines: list[str] = []
+        self.names: dict[Term, str] = {}
+        self.shaped: set[str] = set()
+
+    def leaf(self, name: str) -> str:
+        name = self.prog.same.find(name)
+        if name not in self.shaped:
+            self.shaped.add(name)
+            shape = self.prog.types[name].shape
+            self.lines.append(f'(set (shape (D "{name}")) {lit(shape, "IV")})')
+        return f'(D "{name}")'
+
+    def define(self, name: str) -> None:
+        d = self.prog.defs.get(name)
+        lhs = self.leaf(name)
+        if d is not None:
+            self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
+
+    def term(self, t: Term, typed: bool, inline: bool = False) -> str:
+        if t.op in LEAF_OPS:
+            if t.op == "Out":
+                return f'(Out "{t.attrs[0]}")'
+            return self.leaf(t.attrs[0])
+        if t in self.names:
+            return self.names[t]
+        args = [self.term(a, typed, inline) for a in t.args]
+        if t.op in NARY:
+            text = f"({t.op} (multiset-of {' '.join(args)}))"
+        else:
+            attrs = [lit(a, s) for a, s in zip(t.attrs, self.sorts[t.op], strict=True)]
+            text = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
+        if inline:
+            return text
+        name = f"$__t{len(self.names)}"
+        self.names[t] = name
+        self.lines.append(f"(let {name} {text})")
+        if typed:
+            shape = term_type(t, self.prog, self.registry).shape
+            self.lines.append(f"(set (shape {name}) {lit(shape, 'IV')})")
+        return name
+
+
+# ---------------------------------------------------------------------------------------
+# The walk
+
+
+@dataclass
+class Inference:
+    relations: dict[str, Term]  # sequential core tensor -> relation over rank tensors
+    clean: dict[str, bool]
+    steps: dict[str, StepResult]
+
+
+def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
+    op = registry.ops[n.op]
+    args = tuple(rel[a] for a in n.tensor_args())
+    if op.kind == "nary":
+        return Term(n.op, args)
+    return Term(n.op, args, tuple(n.attrs[k] for k, _ in op.attrs if k in n.attrs))
+
+
+def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) -> list[str]:
+    """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
+    leaves' own definitions, in a deterministic order."""
+    canon = prog.same.find
+    avail = {canon(x) for x in known} | {canon(x) for x in leaves}
+    chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
+    seen = set(chosen)
+    layer = set(leaves)
+    for _ in range(hops):
+        nxt: set[str] = set()
+        for x in layer:
+            for u in prog.users.get(x, ()):
+                if u in seen:
+                    continue
+                d = prog.defs[u]
+                if d is not None and all(canon(dep) in avail for dep in d.leaves()):
+                    nxt.add(u)
+        # users of any replica of a layer tensor count too
+        for u in sorted(nxt):
+            seen.add(u)
+            chosen.append(u)
+            avail.add(canon(u))
+        layer = nxt
+        if not layer:
+            break
+    return chosen
+
+
+def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry,
+          hops: tuple[int, ...] = (3, 8)) -> Inference:
+    rel = dict(inputs)
+    clean = {k: True for k in inputs}
+    steps: dict[str, StepResult] = {}
+    known: set[str] = {n for n, d in prog.defs.items() if d is None}
+    for n in seq.nodes:
+        term = node_term(n, rel, registry)
+        leaves = term.leaves()
+        res = None
+        for h in hops:
+            tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
+            res = engine.step(term, prog, registry, tensors)
+            if res.clean:
+                break
+        assert res is not None
+        rel[n.name] = res.best
+        clean[n.name] = res.clean
+        steps[n.name] = res
+        for f in res.found:
+            if f in prog.types:
+                prog.same.union(res.found[0], f)
+        known |= res.best.leaves()
+    return Inference(rel, clean, steps)
+
+
+def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
+    out: set[str] = set()
+    for x in leaves:
+        out.update(prog.same.group(x))
+    return out

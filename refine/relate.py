@@ -1,0 +1,248 @@
+"""From graphs to equations: the distributed program as definitions over rank tensors, and
+each sequential input as a relation expression over rank inputs.
+
+Collectives are matched across ranks (the k-th collective of a group on each member) and
+lowered to `cat`/`slice`/`Sum` over the members' inputs; after this step there is no
+communication left, only equalities between rank tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from refine.expr import Term, cat, leaf, nary
+from refine.format import InputError
+from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
+from refine.normalize import lower
+from refine.opset import Registry, ShapeError
+
+
+class UnionFind:
+    def __init__(self) -> None:
+        self.parent: dict[str, str] = {}
+        self.members: dict[str, list[str]] = {}  # representative -> every name in its class
+
+    def group(self, x: str) -> list[str]:
+        return self.members.get(self.find(x), [x])
+
+    def find(self, x: str) -> str:
+        root = x
+        while self.parent.get(root, root) != root:
+            root = self.parent[root]
+        while self.parent.get(x, x) != root:
+            self.parent[x], x = root, self.parent[x]
+        return root
+
+    def union(self, a: str, b: str) -> None:
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            # keep the smaller rank's name as the representative: stable, readable output
+            if _rank_key(rb) < _rank_key(ra):
+                ra, rb = rb, ra
+            self.parent[rb] = ra
+            self.members[ra] = self.members.pop(ra, [ra]) + self.members.pop(rb, [rb])
+
+
+def _rank_key(name: str) -> tuple[int, str]:
+    base, _, r = name.rpartition("@")
+    return (int(r) if r.isdigit() else 0, base)
+
+
+@dataclass
+class DistProgram:
+    """Every rank tensor: its type, its definition (None for rank inputs), its node."""
+
+    types: dict[str, TensorType] = field(default_factory=dict)
+    defs: dict[str, Term | None] = field(default_factory=dict)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    users: dict[str, list[str]] = field(default_factory=dict)
+    outputs: dict[str, str] = field(default_factory=dict)  # "name@r" of a rank output -> tensor
+    same: UnionFind = field(default_factory=UnionFind)
+
+    def add(self, name: str, typ: TensorType, definition: Term | None, node: Node | None) -> None:
+        self.types[name] = typ
+        self.defs[name] = definition
+        if node is not None:
+            self.nodes[name] = node
+        self.users.setdefault(name, [])
+        if definition is not None:
+            for dep in definition.leaves():
+                self.users.setdefault(dep, []).append(name)
+
+
+def _node_term(n: Node, rank: int, registry: Registry) -> Term:
+    op = registry.ops[n.op]
+    args = tuple(leaf(tensor_name(rank, a)) for a in n.tensor_args())
+    if op.kind == "nary":
+        return nary(n.op, list(args))
+    attrs = tuple(n.attrs[k] for k, _ in op.attrs if k in n.attrs)
+    return Term(n.op, args, attrs)
+
+
+def build_program(dist: Dist, registry: Registry, file: str) -> tuple[DistProgram, dict[int, Graph]]:
+    prog = DistProgram()
+    cores: dict[int, Graph] = {}
+    for r, g in sorted(dist.ranks.items()):
+        try:
+            core, rename = lower(g, registry)
+        except ShapeError as e:
+            raise InputError(file, f"$.ranks[{r}]", str(e)) from None
+        cores[r] = core
+        for i in core.inputs:
+            prog.add(tensor_name(r, i.name), i.type, None, None)
+        for o in core.outputs:
+            prog.outputs[tensor_name(r, o.name)] = tensor_name(r, o.ref)
+    collectives = _match_collectives(cores, registry, file)
+    for r, core in sorted(cores.items()):
+        for n in core.nodes:
+            name = tensor_name(r, n.name)
+            op = registry.ops[n.op]
+            if op.kind == "collective":
+                prog.add(name, n.type, collectives.get(name), n)
+            else:
+                prog.add(name, n.type, _node_term(n, r, registry), n)
+    return prog, cores
+
+
+def _match_collectives(cores: dict[int, Graph], registry: Registry, file: str) -> dict[str, Term]:
+    """The k-th collective of a group on each member are one collective."""
+    by_group: dict[tuple[tuple[int, ...], int], dict[int, Node]] = {}
+    sends: dict[tuple[int, int], list[str]] = {}
+    recvs: dict[tuple[int, int], list[tuple[str, Node]]] = {}
+    for r, g in sorted(cores.items()):
+        seen: dict[tuple[int, ...], int] = {}
+        for n in g.nodes:
+            if registry.ops[n.op].kind != "collective":
+                continue
+            if n.op == "send":
+                sends.setdefault((r, n.attrs["peer"]), []).append(tensor_name(r, n.tensor_args()[0]))
+                continue
+            if n.op == "recv":
+                recvs.setdefault((n.attrs["peer"], r), []).append((tensor_name(r, n.name), n))
+                continue
+            group = tuple(n.attrs["group"])
+            k = seen.get(group, 0)
+            seen[group] = k + 1
+            by_group.setdefault((group, k), {})[r] = n
+    out: dict[str, Term] = {}
+    for (group, k), members in sorted(by_group.items()):
+        some = next(iter(members.values()))
+        for r in group:
+            if r not in members:
+                raise InputError(file, f"$.ranks[{r}]",
+                                 f"collective #{k} of group {list(group)} ({some.op} {some.name!r}) has no partner on rank {r}")
+        first = members[group[0]]
+        for r, n in members.items():
+            if n.op != first.op or {a: v for a, v in n.attrs.items()} != first.attrs:
+                raise InputError(file, f"$.ranks[{r}]",
+                                 f"collective #{k} of group {list(group)} is {n.op} {n.attrs} here (node {n.name!r}) "
+                                 f"but {first.op} {first.attrs} on rank {group[0]} (node {first.name!r})")
+        xs = [leaf(tensor_name(r, members[r].tensor_args()[0])) for r in group]
+        in_size = cores[group[0]].type_of(first.tensor_args()[0]).shape
+        lower = registry.ops[first.op].lower
+        assert lower is not None, first.op
+        for i, r in enumerate(group):
+            dim = first.attrs.get("dim", first.attrs.get("split_dim", 0))
+            size = in_size[dim] if in_size else 0
+            out[tensor_name(r, members[r].name)] = lower(xs, i, first.attrs, size)
+    for pair, recv_list in recvs.items():
+        send_list = sends.get(pair, [])
+        if len(send_list) != len(recv_list):
+            raise InputError(file, f"$.ranks[{pair[1]}]",
+                             f"rank {pair[1]} receives {len(recv_list)} tensor(s) from rank {pair[0]}, which sends {len(send_list)}")
+        for src, (dst, _node) in zip(send_list, recv_list, strict=True):
+            out[dst] = leaf(src)
+    for pair in sends:
+        if pair not in recvs:
+            raise InputError(file, f"$.ranks[{pair[0]}]", f"rank {pair[0]} sends to rank {pair[1]}, which never receives")
+    return out
+
+
+def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Registry,
+                        file: str) -> dict[str, Term]:
+    """Each sequential input as a term over rank inputs; replicas join `prog.same`."""
+    out: dict[str, Term] = {}
+    for rel in dist.relations:
+        if rel.source in out:
+            raise InputError(file, rel.where, f"a second relation for sequential input {rel.source!r}")
+        if rel.layout is not None:
+            term = rel.layout
+        else:
+            term = _placed(rel, dist.mesh, prog)
+        _check_shape(term, seq.type_of(rel.source), prog, registry, file, rel)
+        out[rel.source] = term
+    for inp in seq.inputs:
+        if inp.name in out:
+            continue
+        # no relation given: the same name and shape on every rank is read as replicated
+        guess = Relation(inp.name, inp.name, tuple(Placement("replicate") for _ in dist.mesh.axes), guessed=True)
+        if all(tensor_name(r, inp.name) in prog.types and prog.types[tensor_name(r, inp.name)].shape == inp.type.shape
+               for r in dist.ranks):
+            out[inp.name] = _placed(guess, dist.mesh, prog)
+            dist.relations.append(guess)
+        else:
+            raise InputError(file, "$.relations", f"no relation for sequential input {inp.name!r}, and no rank input of that name and shape")
+    return out
+
+
+def _placed(rel: Relation, mesh: Mesh, prog: DistProgram) -> Term:
+    assert rel.placements is not None and rel.local is not None
+    terms = placed_terms(lambda r: tensor_name(r, rel.local), rel.placements, mesh)  # type: ignore[arg-type]
+    for t in terms[1:]:
+        _join(prog, terms[0], t)
+    return terms[0]
+
+
+def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...], mesh: Mesh) -> list[Term]:
+    """The tensor that rank tensors `name_at(r)` placed this way make: one term for each
+    choice of coordinates along the replicated axes (all of them must be equal)."""
+    rep_axes = [i for i, p in enumerate(placements) if p.kind == "replicate"]
+    out = []
+    for choice in itertools.product(*(range(mesh.axes[i][1]) for i in rep_axes)):
+        fixed = dict(zip(rep_axes, choice, strict=True))
+
+        def build(axis: int, coords: tuple[int, ...], fixed: dict[int, int] = fixed) -> Term:
+            if axis == len(mesh.axes):
+                return leaf(name_at(mesh.rank(coords)))
+            if axis in fixed:
+                return build(axis + 1, coords + (fixed[axis],))
+            p = placements[axis]
+            parts = [build(axis + 1, coords + (c,)) for c in range(mesh.axes[axis][1])]
+            if p.kind == "shard":
+                return cat(parts, p.dim)  # type: ignore[arg-type]
+            return nary("Max" if p.reduce == "max" else "Sum", parts)
+
+        out.append(build(0, ()))
+    return out
+
+
+def _join(prog: DistProgram, a: Term, b: Term) -> None:
+    """Record that two structurally parallel terms over replicas are equal leaf by leaf."""
+    if a.op == "D" and b.op == "D":
+        prog.same.union(a.attrs[0], b.attrs[0])
+        return
+    for x, y in zip(a.args, b.args, strict=True):
+        _join(prog, x, y)
+
+
+def term_type(t: Term, prog: DistProgram, registry: Registry) -> TensorType:
+    if t.op in ("D", "Out"):
+        return prog.types[t.attrs[0]]
+    ins = [term_type(a, prog, registry) for a in t.args]
+    op = registry.ops[t.op]
+    attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
+    return op.shape(ins, attrs)
+
+
+def _check_shape(term: Term, want: TensorType, prog: DistProgram, registry: Registry, file: str,
+                 rel: Relation) -> None:
+    try:
+        got = term_type(term, prog, registry)
+    except (ShapeError, KeyError) as e:
+        raise InputError(file, rel.where, f"the relation for {rel.source!r} is ill-shaped: {e}") from None
+    if got.shape != want.shape:
+        raise InputError(file, rel.where,
+                         f"the ranks' pieces of {rel.source!r} make shape {list(got.shape)}, "
+                         f"but the sequential input has {list(want.shape)}")

@@ -1,0 +1,96 @@
+"""Verdicts: the data a check produces, printed with rich or as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+
+@dataclass
+class OutputResult:
+    name: str
+    role: str
+    relation: str  # the inferred relation of the sequential output, over rank tensors
+    clean: bool
+    expectation: str
+    ok: bool
+    detail: str = ""
+
+
+@dataclass
+class Culprit:
+    """Where the distributed program stops computing what the sequential one does."""
+
+    node: str  # the user's sequential node
+    op: str
+    source: str | None
+    core_node: str | None
+    inputs: list[tuple[str, str]]  # the node's inputs and their relations
+    rank_nodes: list[str]  # rank nodes that consume the tensors those relations use
+    relation: str  # the best (unclean) expression found for the node
+    reason: str
+    output: str  # the failing output that led here
+
+
+@dataclass
+class Report:
+    refines: bool
+    outputs: list[OutputResult]
+    culprit: Culprit | None = None
+    guesses: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.refines else 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": "REFINES" if self.refines else "DOES NOT REFINE", **asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        console = Console(record=True, width=120, force_terminal=False)
+        print_report(self, console)
+        return console.export_text()
+
+
+def print_report(r: Report, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="sequential outputs", show_lines=False)
+    for col in ("output", "role", "relation over rank tensors", "expectation", "ok"):
+        table.add_column(col, overflow="fold")
+    for o in r.outputs:
+        table.add_row(o.name, o.role, o.relation, o.expectation + (f"\n{o.detail}" if o.detail else ""),
+                      "[green]yes[/]" if o.ok else "[red]no[/]")
+    console.print(table)
+    for g in r.guesses:
+        console.print(f"[yellow]guessed relation[/] {g}")
+    if r.refines:
+        console.print(Panel("[bold green]REFINES[/]: every output relates to the rank outputs as expected"))
+    else:
+        c = r.culprit
+        lines = ["[bold red]DOES NOT REFINE[/]"]
+        if c is not None:
+            where = f" at {c.source}" if c.source else ""
+            lines += [f"first sequential node that does not refine: [bold]{c.node}[/] ({c.op}){where}",
+                      f"reason: {c.reason}", f"failing output: {c.output}", "inputs and their relations:"]
+            lines += [f"  {name} = {rel}" for name, rel in c.inputs]
+            if c.relation:
+                lines.append(f"best expression found for it: {c.relation}")
+            if c.rank_nodes:
+                lines.append("rank nodes consuming those tensors:")
+                lines += [f"  {x}" for x in c.rank_nodes[:24]]
+                if len(c.rank_nodes) > 24:
+                    lines.append(f"  ... {len(c.rank_nodes) - 24} more")
+        console.print(Panel("\n".join(lines)))
+    s = r.stats
+    if s:
+        console.print(f"[dim]{s.get('seq_nodes')} sequential nodes, {s.get('rank_nodes')} rank nodes on "
+                      f"{s.get('ranks')} ranks, {s.get('steps')} e-graph steps, {s.get('seconds')} s[/]")

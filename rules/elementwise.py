@@ -1,0 +1,228 @@
+"""Elementwise ops: they commute with concat and slice, and the linear ones with sums.
+
+Core elementwise ops take operands of one shape: when a graph is lowered, number literals
+become `full` constants and smaller operands an explicit `expand`, so broadcasting is a
+structural fact the structure rules handle (slicing an expand along a broadcast dim).
+`add`, `sub`, `neg` and multiplication by a number lower to `Sum` and `Scale`.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from refine.ir import Arg, TensorType
+from refine.normalize import Builder
+from refine.opset import Op, Registry, Rule, ShapeError, rewrite, rule
+
+
+def _broadcast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    try:
+        shape = tuple(torch.broadcast_shapes(*(t.shape for t in ins)))
+    except RuntimeError as e:
+        raise ShapeError(f"operands do not broadcast: {[list(t.shape) for t in ins]}") from e
+    return TensorType(shape, ins[0].dtype if ins else "float32")
+
+
+def _broadcast_bool(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return TensorType(_broadcast(ins, attrs).shape, "bool")
+
+
+def _same_shape(dtype: str | None = None):
+    def shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+        if len({t.shape for t in ins}) != 1:
+            raise ShapeError(f"operands must have one shape, got {[list(t.shape) for t in ins]}")
+        return TensorType(ins[0].shape, dtype or ins[-1].dtype)
+
+    return shape
+
+
+def _scalar_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return ins[0] if ins else TensorType(())
+
+
+def _out_shape(b: Builder, args: list[Arg]) -> tuple[int, ...]:
+    shapes = [b.type(a).shape for a in args if isinstance(a, str)]
+    return tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
+
+
+def _lower_elementwise(core: str):
+    """A broadcasting user op lowered to the same-shape core op."""
+
+    def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+        shape = out.shape
+        dtype = next((b.type(a).dtype for a in args if isinstance(a, str)), "float32")
+        ins = [b.broadcast(a, shape, dtype) for a in args]
+        return b.emit(core, ins, attrs, out)
+
+    return decompose
+
+
+def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, y = args
+    alpha = Fraction(attrs.get("alpha", 1))
+    terms = []
+    for a, f in ((x, Fraction(1)), (y, alpha)):
+        if not isinstance(a, str):
+            if float(a) * float(f) == 0.0:
+                continue  # adding zero is the identity
+            terms.append(b.const(float(a) * float(f), out.shape, out.dtype))
+        else:
+            terms.append(b.scale(b.broadcast(a, out.shape), f))
+    if len(terms) == 1:
+        return terms[0]
+    return b.emit("Sum", terms, {}, out)
+
+
+def _sub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, y = args
+    alpha = Fraction(attrs.get("alpha", 1))
+    return _add(b, [x, y], {"alpha": -alpha}, out)
+
+
+def _rsub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, y = args
+    return _sub(b, [y, x], attrs, out)
+
+
+def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
+
+
+def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, y = args
+    if not isinstance(y, str) and isinstance(x, str):
+        return b.scale(b.broadcast(x, out.shape), Fraction(y))
+    if not isinstance(x, str) and isinstance(y, str):
+        return b.scale(b.broadcast(y, out.shape), Fraction(x))
+    return _lower_elementwise("mul_t")(b, args, attrs, out)
+
+
+def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, y = args
+    if not isinstance(y, str) and isinstance(x, str):
+        if float(y) == 0.0:
+            raise ShapeError("division by the literal 0")
+        return b.scale(b.broadcast(x, out.shape), 1 / Fraction(y))
+    return _lower_elementwise("div_t")(b, args, attrs, out)
+
+
+def _masked_fill(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, mask = args
+    m = b.broadcast(mask, out.shape, "bool")
+    return b.emit("masked_fill_t", [b.broadcast(x, out.shape), m], {"value": float(attrs["value"])}, out)
+
+
+def _dropout(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    # dropout with its mask as an explicit input: x * mask / (1 - p)
+    x, mask = args
+    kept = _lower_elementwise("mul_t")(b, [x, mask], {}, out)
+    return b.scale(kept, 1 / (1 - Fraction(attrs["p"]).limit_denominator(10**9)))
+
+
+def _gelu(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    return b.emit("gelu_t", list(args), {"approximate": attrs.get("approximate", "none")}, out)
+
+
+UNARY = {
+    "exp_t": torch.exp, "log_t": torch.log, "sqrt_t": torch.sqrt, "rsqrt_t": torch.rsqrt,
+    "sigmoid_t": torch.sigmoid, "silu_t": F.silu, "tanh_t": torch.tanh, "relu_t": torch.relu,
+    "abs_t": torch.abs, "reciprocal_t": torch.reciprocal, "erf_t": torch.erf, "sin_t": torch.sin,
+    "cos_t": torch.cos, "logical_not_t": torch.logical_not, "square_t": torch.square,
+}
+BINARY = {
+    "mul_t": torch.mul, "div_t": torch.div, "maximum_t": torch.maximum,
+    "minimum_t": torch.minimum, "pow_t": torch.pow, "lt_t": torch.lt, "le_t": torch.le,
+    "gt_t": torch.gt, "ge_t": torch.ge, "eq_t": torch.eq, "ne_t": torch.ne,
+    "logical_or_t": torch.logical_or, "logical_and_t": torch.logical_and,
+}
+PREDICATES = {"lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t", "logical_or_t", "logical_and_t", "logical_not_t"}
+
+
+def _gelu_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return F.gelu(x, approximate=approximate)
+
+
+OPS = [
+    *(Op(n, 1, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="unary")
+      for n, f in UNARY.items()),
+    Op("gelu_t", 1, _same_shape(), (("approximate", "str"),), ref=_gelu_ref, core=True, kind="unary"),
+    Op("gelu", 1, _same_shape(), (("approximate", "str?"),), ref=_gelu_ref, decompose=_gelu),
+    *(Op(n[:-2], 1, _same_shape("bool" if n in PREDICATES else None), ref=f,
+         decompose=_lower_elementwise(n)) for n, f in UNARY.items()),
+    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise")
+      for n, f in BINARY.items()),
+    Op("masked_fill_t", 2, _same_shape(), (("value", "float"),),
+       ref=lambda x, m, value: x.masked_fill(m.bool(), value), core=True, kind="elementwise"),
+    Op("where_t", 3, _same_shape(), ref=lambda c, x, y: torch.where(c.bool(), x, y), core=True,
+       kind="elementwise"),
+    # user-level ops, lowered to the above
+    Op("add", 2, _broadcast, (("alpha", "float?"),), ref=lambda x, y, alpha=1: x + alpha * y, decompose=_add),
+    Op("sub", 2, _broadcast, (("alpha", "float?"),), ref=lambda x, y, alpha=1: x - alpha * y, decompose=_sub),
+    Op("rsub", 2, _broadcast, (("alpha", "float?"),), ref=lambda x, y, alpha=1: y - alpha * x, decompose=_rsub),
+    Op("neg", 1, _scalar_shape, ref=torch.neg, decompose=_neg),
+    Op("mul", 2, _broadcast, ref=torch.mul, decompose=_mul),
+    Op("div", 2, _broadcast, ref=torch.div, decompose=_div),
+    Op("masked_fill", 2, lambda ins, a: ins[0], (("value", "float"),),
+       ref=lambda x, m, value: x.masked_fill(m.bool(), value), decompose=_masked_fill),
+    Op("where", 3, _broadcast, ref=lambda c, x, y: torch.where(c.bool(), x, y),
+       decompose=_lower_elementwise("where_t")),
+    Op("dropout_masked", 2, _broadcast, (("p", "float"),),
+       ref=lambda x, m, p: x * m / (1 - p), decompose=_dropout,
+       doc="dropout with its keep-mask as an explicit input"),
+    *(Op(n[:-2], 2, _broadcast_bool if n in PREDICATES else _broadcast, ref=f,
+         decompose=_lower_elementwise(n))
+      for n, f in BINARY.items() if n not in ("mul_t", "div_t")),
+]
+
+
+def _vars(n: int, prefix: str) -> list[str]:
+    return [f"{prefix}{i}" for i in range(n)]
+
+
+def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
+    out: list[Rule] = []
+    for op in reg.of_kind("unary"):
+        attrs = " ".join(_vars(len(op.attrs), "u"))
+        tail = f" {attrs}" if attrs else ""
+        out.append(rewrite(f"{op.name}-over-cat", f"({op.name} (cat a b d){tail})",
+                           f"(cat ({op.name} a{tail}) ({op.name} b{tail}) d)"))
+        out.append(rewrite(f"slice-into-{op.name}", f"(slice ({op.name} x{tail}) d s e)",
+                           f"({op.name} (slice x d s e){tail})"))
+    for op in reg.of_kind("elementwise"):
+        attrs = " ".join(_vars(len(op.attrs), "u"))
+        tail = f" {attrs}" if attrs else ""
+        xs = _vars(op.inputs, "x")
+        for i in range(op.inputs):
+            lhs_args = [("(cat p q d)" if j == i else x) for j, x in enumerate(xs)]
+            left = [("p" if j == i else f"(slice {x} d 0 k)") for j, x in enumerate(xs)]
+            right = [("q" if j == i else f"(slice {x} d k n)") for j, x in enumerate(xs)]
+            out.append(rule(
+                f"{op.name}-over-cat-{i}",
+                [f"(= e ({op.name} {' '.join(lhs_args)}{tail}))", "(= k (size p d))", "(= n (size e d))"],
+                [f"(union e (cat ({op.name} {' '.join(left)}{tail}) ({op.name} {' '.join(right)}{tail}) d))"],
+            ))
+        sliced = " ".join(f"(slice {x} d s f)" for x in xs)
+        out.append(rewrite(f"slice-into-{op.name}", f"(slice ({op.name} {' '.join(xs)}{tail}) d s f)",
+                           f"({op.name} {sliced}{tail})"))
+    # linearity: products and quotients distribute over sums and commute with scales
+    out += [
+        rule("mul-sum-left", ["(= e (mul_t (Sum ms) y))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"MulBy\" y) ms)))"]),
+        rule("mul-sum-right", ["(= e (mul_t y (Sum ms)))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"mul_t\" y) ms)))"]),
+        rule("div-sum", ["(= e (div_t (Sum ms) y))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"DivBy\" y) ms)))"]),
+        rewrite("mul-by", "(MulBy y x)", "(mul_t x y)"),
+        rewrite("div-by", "(DivBy y x)", "(div_t x y)"),
+        rewrite("mul-scale-left", "(mul_t (Scale x r) y)", "(Scale (mul_t x y) r)"),
+        rewrite("mul-scale-right", "(mul_t x (Scale y r))", "(Scale (mul_t x y) r)"),
+        rewrite("div-scale", "(div_t (Scale x r) y)", "(Scale (div_t x y) r)"),
+    ]
+    return out
+
+
+DECLS = ["(constructor MulBy (T T) T)", "(constructor DivBy (T T) T)"]

@@ -1,0 +1,55 @@
+"""Embedding lookup, and the vocab-parallel lookup that shards the table by rows.
+
+A rank holding rows [s, s+n) of the table looks up `ids - s` where ids fall in its range,
+zeroes the rest and the ranks' results are summed (Megatron's VocabParallelEmbedding). The
+rule builds exactly that masked lookup from the sequential one, so a rank program written
+this way becomes congruent to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refine.ir import TensorType
+from refine.opset import Op, Rule, ShapeError, rewrite, rule
+
+
+def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    w, ids = ins
+    if w.ndim != 2:
+        raise ShapeError(f"embedding table must be 2-d, got {list(w.shape)}")
+    return TensorType(ids.shape + (w.shape[1],), w.dtype)
+
+
+OPS = [
+    Op("embedding", 2, _shape, ref=lambda w, ids: torch.nn.functional.embedding(ids.long(), w),
+       core=True,
+       egglog_shape="(rule ((= e (embedding w ids)) (= sw (shape w)) (= si (shape ids))) "
+       "((set (shape e) (vec-push si (vec-get sw 1)))))",
+       doc="rows of weight (first arg) picked by ids (second arg)"),
+]
+
+_MASK = ("(logical_or_t (lt_t ids (full (to-f64 s) si)) "
+         "(ge_t ids (full (to-f64 (+ s (size w 0))) si)))")
+
+
+def _masked_lookup(shifted: str) -> str:
+    return (f"(masked_fill_t (embedding w (masked_fill_t {shifted} {_MASK} 0.0)) "
+            f"(expand (view {_MASK} (vec-push si 1)) (vec-push si (size w 1))) 0.0)")
+
+
+def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
+    return [
+        rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids 0)"),
+        rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
+             ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (+ s k)))))"]),
+        rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s 0)", "(= si (shape ids))", "(= sw (shape w))"],
+             [f"(union e {_masked_lookup('ids')})"]),
+        rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(> s 0)", "(= si (shape ids))", "(= sw (shape w))"],
+             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"]),
+    ]
+
+
+DECLS = ["(constructor EmbRows (T T i64) T :cost 100000)"]

@@ -1,0 +1,158 @@
+"""Matrix products: split rows, columns, batch or the contraction dim (which gives a sum).
+
+Core `matmul(a, b)` takes a of shape [..., m, k] and b of shape [k, n] or [..., k, n] with
+a's batch dims; user ops (mm, bmm, matmul, linear, addmm, baddbmm) lower to it.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from refine.ir import Arg, TensorType
+from refine.normalize import Builder
+from refine.opset import Op, Rule, ShapeError, rewrite, rule
+
+
+def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    a, b = ins
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
+        raise ShapeError(f"matmul of {list(a.shape)} and {list(b.shape)}")
+    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
+        raise ShapeError(f"batched matmul of {list(a.shape)} and {list(b.shape)}: batch dims differ")
+    return TensorType(a.shape[:-1] + (b.shape[-1],), a.dtype)
+
+
+def _user_matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    a, b = ins
+    try:
+        out = torch.matmul(torch.empty(a.shape, device="meta"), torch.empty(b.shape, device="meta"))
+    except RuntimeError as e:
+        raise ShapeError(f"matmul of {list(a.shape)} and {list(b.shape)}") from e
+    return TensorType(tuple(out.shape), a.dtype)
+
+
+def _lower_matmul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, w = args
+    sx, sw = b.type(x).shape, b.type(w).shape
+    if len(sx) == 1:
+        x, sx = b.view(x, (1,) + sx), (1,) + sx
+    squeeze_n = len(sw) == 1
+    if squeeze_n:
+        w, sw = b.view(w, sw + (1,)), sw + (1,)
+    if len(sw) > 2:
+        batch = tuple(torch.broadcast_shapes(sx[:-2], sw[:-2]))
+        x = b.broadcast(x, batch + sx[-2:])
+        w = b.broadcast(w, batch + sw[-2:])
+    y = b.emit("matmul", [x, w], {})
+    return b.view(y, out.shape)
+
+
+def _linear(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    x, w, *bias = args
+    y = b.emit("matmul", [x, b.transpose(w, 0, 1)], {})
+    if bias:
+        y = b.emit("Sum", [y, b.broadcast(bias[0], out.shape)], {}, out)
+    return y
+
+
+def _addmm(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    bias, x, w = args
+    y = b.scale(_lower_matmul(b, [x, w], {}, out), Fraction(attrs.get("alpha", 1)))
+    beta = Fraction(attrs.get("beta", 1))
+    if beta == 0:
+        return y
+    return b.emit("Sum", [y, b.scale(b.broadcast(bias, out.shape), beta)], {}, out)
+
+
+def _linear_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, w = ins[0], ins[1]
+    if w.ndim != 2 or x.shape[-1] != w.shape[1]:
+        raise ShapeError(f"linear of {list(x.shape)} with weight {list(w.shape)}")
+    if len(ins) == 3 and ins[2].shape not in ((w.shape[0],), ()):
+        raise ShapeError(f"linear bias {list(ins[2].shape)} for weight {list(w.shape)}")
+    return TensorType(x.shape[:-1] + (w.shape[0],), x.dtype)
+
+
+def _addmm_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    out = _user_matmul_shape(ins[1:], attrs)
+    try:
+        torch.broadcast_shapes(ins[0].shape, out.shape)
+    except RuntimeError as e:
+        raise ShapeError(f"bias {list(ins[0].shape)} does not broadcast to {list(out.shape)}") from e
+    return out
+
+
+def _linear_ref(x, w, b=None):
+    return torch.nn.functional.linear(x, w, b)
+
+
+OPS = [
+    # the core op; a user's torch.matmul (1-d operands, broadcast batches) lowers to it
+    Op("matmul", 2, _user_matmul_shape, ref=torch.matmul, core=True, kind="compute",
+       decompose=_lower_matmul,
+       egglog_shape="(rule ((= e (matmul a b)) (= sa (shape a)) (= sb (shape b))) "
+       "((set (shape e) (vec-set sa (- (vec-length sa) 1) (vec-get sb (- (vec-length sb) 1))))))"),
+    Op("mm", 2, _user_matmul_shape, ref=torch.mm, decompose=_lower_matmul),
+    Op("bmm", 2, _user_matmul_shape, ref=torch.bmm, decompose=_lower_matmul),
+    Op("linear", -1, _linear_shape, ref=_linear_ref, decompose=_linear,
+       doc="x @ w.T (+ bias); args: x, w[, bias]"),
+    Op("addmm", 3, _addmm_shape, (("beta", "float?"), ("alpha", "float?")),
+       ref=lambda c, a, b, beta=1, alpha=1: torch.addmm(c, a, b, beta=beta, alpha=alpha),
+       decompose=_addmm),
+    Op("baddbmm", 3, _addmm_shape, (("beta", "float?"), ("alpha", "float?")),
+       ref=lambda c, a, b, beta=1, alpha=1: torch.baddbmm(c, a, b, beta=beta, alpha=alpha),
+       decompose=_addmm),
+]
+
+
+def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
+    last = "(- (ndim p) 1)"
+    return [
+        # rows of a (any non-contraction dim of a when b is shared)
+        rule("matmul-rows", ["(= e (matmul (cat p q d) b))", "(= (ndim b) 2)", f"(< d {last})"],
+             ["(union e (cat (matmul p b) (matmul q b) d))"]),
+        rule("matmul-rows-batched", ["(= e (matmul (cat p q d) b))", "(> (ndim b) 2)",
+                                     "(= d (- (ndim p) 2))"],
+             ["(union e (cat (matmul p b) (matmul q b) d))"]),
+        rule("matmul-batch-left", ["(= e (matmul (cat p q d) b))", "(> (ndim b) 2)",
+                                   "(< d (- (ndim p) 2))", "(= k (size p d))", "(= n (size e d))"],
+             ["(union e (cat (matmul p (slice b d 0 k)) (matmul q (slice b d k n)) d))"]),
+        # columns of b
+        rule("matmul-cols", ["(= e (matmul a (cat p q d)))", f"(= d {last})"],
+             ["(union e (cat (matmul a p) (matmul a q) (- (ndim e) 1)))"]),
+        rule("matmul-batch-right", ["(= e (matmul a (cat p q d)))", "(< d (- (ndim p) 2))",
+                                    "(= k (size p d))", "(= n (size e d))"],
+             ["(union e (cat (matmul (slice a d 0 k) p) (matmul (slice a d k n) q) d))"]),
+        # the contraction dim: a sum of partial products
+        rule("matmul-contract-left", ["(= e (matmul (cat p q d) b))", f"(= d {last})",
+                                      "(= k (size p d))", "(= nb (ndim b))"],
+             ["(union e (Sum (multiset-of (matmul p (slice b (- nb 2) 0 k)) "
+              "(matmul q (slice b (- nb 2) k (size b (- nb 2)))))))"]),
+        rule("matmul-contract-right", ["(= e (matmul a (cat p q d)))", "(= d (- (ndim p) 2))",
+                                       "(= k (size p d))", "(= na (ndim a))"],
+             ["(union e (Sum (multiset-of (matmul (slice a (- na 1) 0 k) p) "
+              "(matmul (slice a (- na 1) k (size a (- na 1))) q))))"]),
+        # linearity
+        rule("matmul-sum-left", ["(= e (matmul (Sum ms) b))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"MatmulBy\" b) ms)))"]),
+        rule("matmul-sum-right", ["(= e (matmul a (Sum ms)))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"matmul\" a) ms)))"]),
+        rewrite("matmul-by", "(MatmulBy b a)", "(matmul a b)"),
+        rewrite("matmul-scale-left", "(matmul (Scale a r) b)", "(Scale (matmul a b) r)"),
+        rewrite("matmul-scale-right", "(matmul a (Scale b r))", "(Scale (matmul a b) r)"),
+        # a slice of a product is a product of slices
+        rule("slice-matmul-rows", ["(= e (slice (matmul a b) d s f))", "(< d (- (ndim a) 1))",
+                                   "(= (ndim b) 2)"],
+             ["(union e (matmul (slice a d s f) b))"]),
+        rule("slice-matmul-cols", ["(= e (slice (matmul a b) d s f))", "(= d (- (ndim a) 1))"],
+             ["(union e (matmul a (slice b (- (ndim b) 1) s f)))"]),
+        rule("slice-matmul-batched", ["(= e (slice (matmul a b) d s f))", "(> (ndim b) 2)",
+                                      "(< d (- (ndim a) 1))"],
+             ["(union e (matmul (slice a d s f) (slice b d s f)))"]),
+    ]
+
+
+DECLS = ["(constructor MatmulBy (T T) T)"]

@@ -1,0 +1,145 @@
+"""Reshapes and permutations. Every reshape lowers to the core `view`; a permute lowers to
+transposes. A view keeps a concat when the concat's blocks stay contiguous blocks of one
+output dim: the dims before both have the same element count, and the block size divides."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from refine.ir import Arg, TensorType
+from refine.normalize import Builder, normalize_dim
+from refine.opset import Op, Rule, ShapeError, rule
+
+
+def _resolve(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
+    if list(shape).count(-1) > 1:
+        raise ShapeError(f"shape {list(shape)} has more than one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if known == 0 or numel % known:
+            raise ShapeError(f"cannot infer -1 in {list(shape)} for {numel} elements")
+        shape = tuple(numel // known if s == -1 else s for s in shape)
+    if math.prod(shape) != numel:
+        raise ShapeError(f"shape {list(shape)} does not hold {numel} elements")
+    return shape
+
+
+def _view_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    return TensorType(_resolve(tuple(attrs["shape"]), math.prod(x.shape)), x.dtype)
+
+
+def _view(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    return b.view(args[0], out.shape)  # type: ignore[arg-type]
+
+
+def _flatten_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    if x.ndim == 0:
+        return TensorType((1,), x.dtype)
+    s, e = attrs.get("start_dim", 0), attrs.get("end_dim", x.ndim - 1)
+    return TensorType(x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:], x.dtype)
+
+
+def _unsqueeze_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    d = attrs["dim"]
+    d = normalize_dim(d, x.ndim + 1)
+    return TensorType(x.shape[:d] + (1,) + x.shape[d:], x.dtype)
+
+
+def _squeeze_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    dims = attrs.get("dim")
+    dims = range(x.ndim) if dims is None else dims
+    return TensorType(tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1)), x.dtype)
+
+
+def _permute_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    dims = attrs["dims"]
+    if sorted(dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute dims {list(dims)} for a {x.ndim}-d tensor")
+    return TensorType(tuple(x.shape[d] for d in dims), x.dtype)
+
+
+def _permute(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    (x,) = args
+    at = list(range(len(attrs["dims"])))  # which input dim sits at each position
+    for i, want in enumerate(attrs["dims"]):
+        j = at.index(want)
+        if j != i:
+            x = b.transpose(x, i, j)  # type: ignore[arg-type]
+            at[i], at[j] = at[j], at[i]
+    return x  # type: ignore[return-value]
+
+
+def _t_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    if x.ndim > 2:
+        raise ShapeError(f"t() of a {x.ndim}-d tensor")
+    return TensorType(tuple(reversed(x.shape)), x.dtype)
+
+
+def _t(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    return b.transpose(args[0], 0, 1) if b.type(args[0]).ndim == 2 else args[0]  # type: ignore[arg-type,return-value]
+
+
+def _expand_user_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    shape = list(attrs["shape"])
+    off = len(shape) - x.ndim
+    for i in range(x.ndim):
+        if shape[i + off] == -1:
+            shape[i + off] = x.shape[i]
+    if off < 0 or any(x.shape[i] not in (1, shape[i + off]) for i in range(x.ndim)):
+        raise ShapeError(f"cannot expand {list(x.shape)} to {list(attrs['shape'])}")
+    return TensorType(tuple(shape), x.dtype)
+
+
+def _expand(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    return b.broadcast(args[0], out.shape)
+
+
+def _ref_view(x, shape):
+    return x.reshape(shape)
+
+
+OPS = [
+    Op("reshape", 1, _view_shape, (("shape", "ints"),), ref=_ref_view, decompose=_view),
+    Op("_unsafe_view", 1, _view_shape, (("shape", "ints"),), ref=_ref_view, decompose=_view),
+    Op("flatten", 1, _flatten_shape, (("start_dim", "dim?"), ("end_dim", "dim?")),
+       ref=lambda x, start_dim=0, end_dim=-1: x.flatten(start_dim, end_dim), decompose=_view),
+    Op("unsqueeze", 1, _unsqueeze_shape, (("dim", "int"),), ref=lambda x, dim: x.unsqueeze(dim),
+       decompose=_view),
+    Op("squeeze", 1, _squeeze_shape, (("dim", "dims?"),),
+       ref=lambda x, dim=None: x.squeeze() if dim is None else x.squeeze(dim), decompose=_view),
+    Op("permute", 1, _permute_shape, (("dims", "dims"),), ref=lambda x, dims: x.permute(dims),
+       decompose=_permute),
+    Op("t", 1, _t_shape, ref=lambda x: x.t(), decompose=_t),
+    Op("expand_as_shape", 1, _expand_user_shape, (("shape", "ints"),),
+       ref=lambda x, shape: x.expand(shape), decompose=_expand,
+       doc="torch's expand, with -1 for kept dims"),
+]
+
+
+def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
+    return [
+        # (pp s i): the product of the first i entries of a shape vector
+        rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) 1)"]),
+        rule("prefix-product-step", ["(= p (pp s i))", "(< i (vec-length s))"],
+             ["(set (pp s (+ i 1)) (* p (vec-get s i)))"]),
+        rule("view-over-cat",
+             ["(= e (view c s))", "(= c (cat p q d))", "(= si (shape c))", "(= so (shape e))",
+              "(= pre (pp si d))", "(= pre (pp so d2))", "(< d2 (vec-length so))",
+              "(= n (pp si (vec-length si)))",
+              "(= inner-in (/ n (pp si (+ d 1))))", "(= inner-out (/ n (pp so (+ d2 1))))",
+              "(= k (size p d))", "(= 0 (% (* k inner-in) inner-out))",
+              "(= k2 (/ (* k inner-in) inner-out))", "(> k2 0)", "(< k2 (vec-get so d2))"],
+             ["(union e (cat (view p (vec-set so d2 k2)) "
+              "(view q (vec-set so d2 (- (vec-get so d2) k2))) d2))"]),
+    ]
+
+
+DECLS = ["(function pp (IV i64) i64 :merge old)"]

@@ -1,0 +1,241 @@
+"""Structural ops: the relation language (concat, slice, sum, scale, views) and its algebra.
+
+`cat` is binary and right-nested: cat(a0, cat(a1, a2, d), d). Rules that split a tensor
+along a concat recurse on the tail, so they work for any number of ranks without
+associativity. `Sum` and `Max` take a multiset, so the order of terms never matters.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from refine.ir import TensorType
+from refine.opset import Op, ShapeError, rewrite, rule
+
+
+def _cat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    d = attrs["dim"]
+    a, b = ins
+    if a.ndim != b.ndim or not 0 <= d < a.ndim:
+        raise ShapeError(f"cat of {a.shape} and {b.shape} on dim {d}")
+    if any(x != y for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if i != d):
+        raise ShapeError(f"cat of {a.shape} and {b.shape} on dim {d}: other dims differ")
+    s = list(a.shape)
+    s[d] += b.shape[d]
+    return TensorType(tuple(s), a.dtype)
+
+
+def _slice_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    d, s, e = attrs["dim"], attrs["start"], attrs["end"]
+    if not (0 <= d < x.ndim and 0 <= s <= e <= x.shape[d]):
+        raise ShapeError(f"slice {s}:{e} of dim {d} is out of bounds for {x.shape}")
+    out = list(x.shape)
+    out[d] = e - s
+    return TensorType(tuple(out), x.dtype)
+
+
+def _view_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    shape = tuple(attrs["shape"])
+    if _numel(shape) != _numel(x.shape):
+        raise ShapeError(f"cannot view {x.shape} as {shape}")
+    return TensorType(shape, x.dtype)
+
+
+def _transpose_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    i, j = attrs["dim0"], attrs["dim1"]
+    if not (0 <= i < x.ndim and 0 <= j < x.ndim):
+        raise ShapeError(f"transpose of dims {i}, {j} of {x.shape}")
+    s = list(x.shape)
+    s[i], s[j] = s[j], s[i]
+    return TensorType(tuple(s), x.dtype)
+
+
+def _expand_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    shape = tuple(attrs["shape"])
+    off = len(shape) - x.ndim
+    if off < 0 or any(x.shape[i] not in (1, shape[i + off]) for i in range(x.ndim)):
+        raise ShapeError(f"cannot expand {x.shape} to {shape}")
+    return TensorType(shape, x.dtype)
+
+
+def _full_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return TensorType(tuple(attrs["shape"]), attrs.get("dtype") or "float32")
+
+
+def _same(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return ins[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _nary_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    if len({t.shape for t in ins}) != 1:
+        raise ShapeError(f"terms of one sum must have one shape, got {[t.shape for t in ins]}")
+    return ins[0]
+
+
+def _ref_slice(x: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
+    return x.narrow(dim, start, end - start)
+
+
+def _ref_full(value: float, shape: tuple[int, ...], dtype: str | None = None) -> torch.Tensor:
+    return torch.full(tuple(shape), value, dtype=torch.float64)
+
+
+def _ref_sum(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.stack(torch.broadcast_tensors(*xs)).sum(0)
+
+
+def _ref_max(*xs: torch.Tensor) -> torch.Tensor:
+    return torch.stack(torch.broadcast_tensors(*xs)).amax(0)
+
+
+def _ref_scale(x: torch.Tensor, factor: Fraction) -> torch.Tensor:
+    return x * float(factor)
+
+
+SHAPE_SAME = "(rule ((= e (OP x ARGS)) (= s (shape x))) ((set (shape e) s)))"
+
+OPS = [
+    Op("cat", 2, _cat_shape, (("dim", "int"),), ref=lambda a, b, dim: torch.cat([a, b], dim),
+       core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (cat a b d)) (= sa (shape a)) (= sb (shape b))) "
+       "((set (shape e) (vec-set sa d (+ (vec-get sa d) (vec-get sb d))))))",
+       doc="concatenation of two tensors along dim (lists of more nest to the right)"),
+    Op("slice", 1, _slice_shape, (("dim", "int"), ("start", "int"), ("end", "int")),
+       ref=_ref_slice, core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (slice x d b f)) (= s (shape x))) ((set (shape e) (vec-set s d (- f b)))))",
+       doc="x[start:end] along dim (step 1)"),
+    Op("view", 1, _view_shape, (("shape", "shape"),), ref=lambda x, shape: x.reshape(shape),
+       core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (view x s))) ((set (shape e) s)))",
+       doc="row-major reshape"),
+    Op("transpose", 1, _transpose_shape, (("dim0", "int"), ("dim1", "int")),
+       ref=lambda x, dim0, dim1: x.transpose(dim0, dim1), core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (transpose x i j)) (= s (shape x))) "
+       "((set (shape e) (vec-set (vec-set s i (vec-get s j)) j (vec-get s i)))))"),
+    Op("expand", 1, _expand_shape, (("shape", "shape"),), ref=lambda x, shape: x.expand(shape),
+       core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (expand x s))) ((set (shape e) s)))",
+       doc="broadcast x (right-aligned) to shape"),
+    Op("full", 0, _full_shape, (("value", "float"), ("shape", "shape")), ref=_ref_full,
+       core=True, clean=True, kind="clean",
+       egglog_shape="(rule ((= e (full v s))) ((set (shape e) s)))",
+       doc="a constant tensor"),
+    Op("Scale", 1, _same, (("factor", "rational"),), ref=_ref_scale, core=True, clean=True,
+       kind="unary", egglog_shape=SHAPE_SAME.replace("OP", "Scale").replace(" ARGS", " r"),
+       doc="x times an exact rational"),
+    Op("Sum", -1, _nary_shape, ref=_ref_sum, core=True, clean=True, kind="nary",
+       egglog_shape="(rule ((= e (Sum ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
+       doc="sum of a multiset of tensors"),
+    Op("Max", -1, _nary_shape, ref=_ref_max, core=True, clean=True, kind="nary",
+       egglog_shape="(rule ((= e (Max ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
+       doc="elementwise max of a multiset of tensors"),
+]
+
+
+def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
+    one = "(bigrat (bigint 1) (bigint 1))"
+    out = [
+        # slices of a concat along its own dim fall into one side, or straddle both
+        rewrite("slice-cat-left", "(slice (cat a b d) d s e)", "(slice a d s e)",
+                "(<= e (size a d))"),
+        rewrite("slice-cat-right", "(slice (cat a b d) d s e)",
+                "(slice b d (- s (size a d)) (- e (size a d)))", "(>= s (size a d))"),
+        rewrite("slice-cat-straddle", "(slice (cat a b d) d s e)",
+                "(cat (slice a d s (size a d)) (slice b d 0 (- e (size a d))) d)",
+                "(< s (size a d))", "(> e (size a d))"),
+        rewrite("slice-cat-other-dim", "(slice (cat a b d) d2 s e)",
+                "(cat (slice a d2 s e) (slice b d2 s e) d)", "(!= d d2)"),
+        rewrite("slice-full", "(slice x d 0 e)", "x", "(= e (size x d))"),
+        rewrite("slice-slice", "(slice (slice x d s1 e1) d s2 e2)",
+                "(slice x d (+ s1 s2) (+ s1 e2))"),
+        # adjacent slices of one tensor are a slice of it, and make a concat of it: this is
+        # how a scattered replicated tensor is seen as the concat of its rank pieces
+        rule("cat-adjacent-slices",
+             ["(= p (slice x d s m))", "(= q (slice x d m e))"],
+             ["(union (slice x d s e) (cat p q d))"]),
+        rewrite("cat-assoc", "(cat (cat a b d) c d)", "(cat a (cat b c d) d)"),
+        # scale
+        rewrite("scale-scale", "(Scale (Scale x a) b)", "(Scale x (* a b))"),
+        rewrite("scale-one", "(Scale x r)", "x", f"(= r {one})"),
+        rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
+        rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
+        # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing
+        rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)"],
+             ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
+        rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
+             ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
+        rule("sum-single", ["(= e (Sum ms))", "(= (multiset-length ms) 1)"],
+             ["(union e (multiset-pick ms))"]),
+        rule("max-single", ["(= e (Max ms))", "(= (multiset-length ms) 1)"],
+             ["(union e (multiset-pick ms))"]),
+        rule("sum-cat", ["(= e (Sum ms))", "(= c (cat a b d))", "(multiset-contains ms c)",
+                         "(= k (size a d))"],
+             ["(union e (cat (Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d 0 k) ms)) "
+              "(Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d k (size e d)) ms)) d))"]),
+        rewrite("slice-by", "(SliceBy d s e x)", "(slice x d s e)"),
+        rule("slice-sum", ["(= e (slice (Sum ms) d s f))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d s f) ms)))"]),
+        # views
+        rewrite("view-identity", "(view x s)", "x", "(= s (shape x))"),
+        rewrite("view-view", "(view (view x s1) s2)", "(view x s2)"),
+        rule("view-sum", ["(= e (view (Sum ms) s))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"ViewAs\" s) ms)))"]),
+        rewrite("view-as", "(ViewAs s x)", "(view x s)"),
+        rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
+        # transposes
+        rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
+        rewrite("transpose-cat-i", "(transpose (cat a b d) d j)",
+                "(cat (transpose a d j) (transpose b d j) j)"),
+        rewrite("transpose-cat-j", "(transpose (cat a b d) i d)",
+                "(cat (transpose a i d) (transpose b i d) i)", "(!= i d)"),
+        rewrite("transpose-cat-other", "(transpose (cat a b d) i j)",
+                "(cat (transpose a i j) (transpose b i j) d)", "(!= i d)", "(!= j d)"),
+        rule("transpose-sum", ["(= e (transpose (Sum ms) i j))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"TransposeBy\" i j) ms)))"]),
+        rewrite("transpose-by", "(TransposeBy i j x)", "(transpose x i j)"),
+        rewrite("transpose-scale", "(transpose (Scale x r) i j)", "(Scale (transpose x i j) r)"),
+        rewrite("slice-transpose", "(slice (transpose x i j) d s e)",
+                "(transpose (slice x j s e) i j)", "(= d i)"),
+        rewrite("slice-transpose-j", "(slice (transpose x i j) d s e)",
+                "(transpose (slice x i s e) i j)", "(= d j)", "(!= i j)"),
+        rewrite("slice-transpose-other", "(slice (transpose x i j) d s e)",
+                "(transpose (slice x d s e) i j)", "(!= d i)", "(!= d j)"),
+        # broadcasts and constants: slicing along a broadcast dim only shrinks the expand
+        rewrite("slice-expand-new-dim", "(slice (expand x sh) d s e)",
+                "(expand x (vec-set sh d (- e s)))", "(< d (- (vec-length sh) (ndim x)))"),
+        rewrite("slice-expand-size1", "(slice (expand x sh) d s e)",
+                "(expand x (vec-set sh d (- e s)))",
+                "(>= d (- (vec-length sh) (ndim x)))",
+                "(= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) 1)"),
+        rewrite("slice-expand-kept-dim", "(slice (expand x sh) d s e)",
+                "(expand (slice x (- d (- (vec-length sh) (ndim x))) s e) (vec-set sh d (- e s)))",
+                "(>= d (- (vec-length sh) (ndim x)))",
+                "(!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) 1)"),
+        rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (- e s)))"),
+    ]
+    # split/merge reshapes over a concat (head splits and their inverse) come from view
+    # rules in the reshape family
+    return out
+
+# Helper constructors let a partially applied function map over the terms of a sum.
+DECLS = [
+    "(constructor ScaleBy (BigRat T) T)",
+    "(constructor SliceBy (i64 i64 i64 T) T)",
+    "(constructor ViewAs (IV T) T)",
+    "(constructor TransposeBy (i64 i64 T) T)",
+]
