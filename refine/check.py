@@ -48,6 +48,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
         raise InputError(dist_file, "$.ranks", str(e)) from None
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
     engine = engine_for(registry)
+    steps0 = engine.stats["steps"]
     inf = infer(seq_core, inputs, prog, engine, registry)
 
     explicit = {e.output: e for e in dist.expectations}
@@ -63,7 +64,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     refines = all(r.ok for r in results)
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry)
     guesses = [f"{r.source}: replicated (same name and shape on every rank)" for r in dist.relations if r.guessed]
-    stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"]),
+    stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats)
