@@ -240,13 +240,18 @@ def parse_layout(text: str) -> Term:
             take("[")
             items = []
             while peek() != "]":
-                items.append(int(take()))
+                tok = take()
+                if not re.fullmatch(r"-?\d+", tok):
+                    raise LayoutSyntaxError(f"a list holds integers, found {tok!r}")
+                items.append(int(tok))
                 if peek() == ",":
                     take(",")
             take("]")
             return tuple(items)
         if re.fullmatch(r"-?\d+/\d+", tok):
             take()
+            if re.fullmatch(r"-?\d+/0+", tok):
+                raise LayoutSyntaxError(f"division by zero in {tok!r}")
             return Fraction(tok)
         if re.fullmatch(r"-?\d+", tok):
             take()
@@ -283,27 +288,60 @@ def parse_layout(text: str) -> Term:
 
 
 def _layout_term(name: str, args: list[Any], kw: dict[str, Any]) -> Term:
+    """A relation-language call, with its arguments checked: nothing is dropped silently."""
     terms = [a for a in args if isinstance(a, Term)]
     rest = [a for a in args if not isinstance(a, Term)]
-    try:
-        if name == "cat":
-            dim = kw.get("dim", rest[0] if rest else None)
-            if dim is None:
-                raise LayoutSyntaxError("cat needs dim=")
-            return cat(terms, int(dim))
-        if name == "slice":
-            d, s, e = (kw.get("dim", rest[0] if rest else None), *rest[-2:])
-            return Term("slice", (terms[0],), (int(d), int(s), int(e)))
-        if name == "sum":
-            return nary("Sum", terms)
-        if name == "max":
-            return nary("Max", terms)
-        if name == "scale":
-            return scale(terms[0], Fraction(kw.get("by", rest[0] if rest else 1)))
-        if name == "view":
-            return Term("view", (terms[0],), (tuple(kw.get("shape", rest[0] if rest else ())),))
-        if name == "transpose":
-            return Term("transpose", (terms[0],), (int(rest[0]), int(rest[1])))
-    except (IndexError, TypeError) as e:
-        raise LayoutSyntaxError(f"bad arguments to {name}: {e}") from None
+    kw_terms = [k for k, v in kw.items() if isinstance(v, Term)]
+    if kw_terms:
+        raise LayoutSyntaxError(f"{name}: keyword {kw_terms[0]}= takes a number, not a tensor")
+
+    def need(n_terms: int | None, nums: tuple[str, ...]) -> list[Any]:
+        """`n_terms` tensors (None: one or more), then the numbers `nums`, positional or by keyword."""
+        if n_terms is None and not terms:
+            raise LayoutSyntaxError(f"{name} needs at least one tensor")
+        if n_terms is not None and len(terms) != n_terms:
+            raise LayoutSyntaxError(f"{name} takes {n_terms} tensor(s), got {len(terms)}")
+        if args and any(isinstance(a, Term) for a in args[len(terms):]):
+            raise LayoutSyntaxError(f"{name}: tensors come before the other arguments")
+        unknown = [k for k in kw if k not in nums]
+        if unknown:
+            raise LayoutSyntaxError(f"{name} has no argument {unknown[0]}= (it takes: {', '.join(nums) or 'tensors only'})")
+        # positional numbers fill the names not given by keyword, in order
+        free = [n for n in nums if n not in kw]
+        if len(rest) != len(free):
+            raise LayoutSyntaxError(f"{name} takes {len(nums)} number argument(s) ({', '.join(nums)}) after its "
+                                    f"tensor(s), got {len(rest) + len(kw)}" if nums else
+                                    f"{name} takes tensors only, got {rest[0]!r}")
+        given = dict(zip(free, rest, strict=True)) | kw
+        return [given[n] for n in nums]
+
+    def integer(v: Any, what: str) -> int:
+        if not isinstance(v, int):
+            raise LayoutSyntaxError(f"{name}: {what} must be an integer, got {v!r}")
+        return v
+
+    if name == "cat":
+        if not rest and "dim" not in kw:
+            raise LayoutSyntaxError("cat needs dim=")
+        (dim,) = need(None, ("dim",))
+        return cat(terms, integer(dim, "dim"))
+    if name == "slice":
+        d, s, e = need(1, ("dim", "start", "end"))
+        return Term("slice", (terms[0],), (integer(d, "dim"), integer(s, "start"), integer(e, "end")))
+    if name in ("sum", "max"):
+        need(None, ())
+        return nary("Sum" if name == "sum" else "Max", terms)
+    if name == "scale":
+        (by,) = need(1, ("by",))
+        if isinstance(by, tuple):
+            raise LayoutSyntaxError(f"scale: the factor must be a number, got {list(by)}")
+        return scale(terms[0], Fraction(by))
+    if name == "view":
+        (shape,) = need(1, ("shape",))
+        if not isinstance(shape, tuple):
+            raise LayoutSyntaxError(f"view: the shape must be a list like [4, 2], got {shape!r}")
+        return Term("view", (terms[0],), (shape,))
+    if name == "transpose":
+        i, j = need(1, ("dim0", "dim1"))
+        return Term("transpose", (terms[0],), (integer(i, "dim0"), integer(j, "dim1")))
     raise LayoutSyntaxError(f"{name!r} is not in the relation language (cat, slice, sum, max, scale, view, transpose)")

@@ -1,12 +1,17 @@
 """Graph format v1: load and validate `seq.json` / `dist.json` (see schema/graph-v1.json).
 
 Every problem is an `InputError` that names the file, the JSON path in it and the reason;
-the CLI turns it into exit code 2.
+the CLI turns it into exit code 2. The loader checks everything a later stage relies on
+(names, references, shapes against the ops' shape rules, collectives matched across ranks,
+relations and expectations against the shapes they place), so that no later stage meets
+bad input; the JSON Schema is documentation and a tool for editors, not what runs here.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +30,48 @@ from refine.ir import (
     TensorType,
 )
 from refine.normalize import normalize_attrs
-from refine.opset import Registry, ShapeError
+from refine.opset import Op, Registry, ShapeError
 
 FORMAT = "refine-graph"
 VERSION = 1
 ROLES_IN = ("parameter", "data", "buffer")
 ROLES_OUT = ("loss", "gradient", "activation", "other")
 
+# the fields each object of the format may have (anything else is a typo, and an error)
+FIELDS = {
+    "sequential": ("format", "version", "kind", "graph"),
+    "distributed": ("format", "version", "kind", "mesh", "ranks", "relations", "expectations"),
+    "graph": ("inputs", "nodes", "outputs"),
+    "input": ("name", "shape", "dtype", "role", "source"),
+    "node": ("name", "op", "args", "attrs", "shape", "dtype", "source"),
+    "output": ("name", "ref", "role", "of"),
+    "mesh": ("axes",),
+    "axis": ("name", "size"),
+    "rank": ("rank", "graph"),
+    "relation": ("from", "input", "placements", "layout"),
+    "expectation": ("output", "local", "placements"),
+}
+
 
 class InputError(ValueError):
     def __init__(self, file: str, where: str, reason: str) -> None:
         super().__init__(f"{file}: {where}: {reason}")
         self.file, self.where, self.reason = file, where, reason
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    for t in (bool, int, float, str, list, dict):
+        if isinstance(v, t):
+            return _kind_name(t)
+    return type(v).__name__
 
 
 class _Ctx:
@@ -48,39 +83,100 @@ class _Ctx:
 
     def get(self, obj: Any, key: str, where: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
         if not isinstance(obj, dict):
-            raise self.fail(where, f"expected an object, got {type(obj).__name__}")
+            raise self.fail(where, f"expected an object, got {_json_type(obj)}")
         if key not in obj:
             if default is not ...:
                 return default
             raise self.fail(where, f"missing field {key!r}")
         v = obj[key]
-        if not isinstance(v, kind) or (kind in (int, (int,)) and isinstance(v, bool)):
-            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            raise self.fail(f"{where}.{key}", f"expected {names}, got {type(v).__name__}")
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            raise self.fail(f"{where}.{key}", f"expected {_kind_name(kind)}, got {_json_type(v)}")
         return v
+
+    def fields(self, obj: Any, where: str, what: str) -> None:
+        """`obj` is an object with only the fields the format gives a `what`."""
+        if not isinstance(obj, dict):
+            raise self.fail(where, f"expected an object, got {_json_type(obj)}")
+        allowed = FIELDS[what]
+        for k in obj:
+            if k not in allowed:
+                raise self.fail(f"{where}.{k}", f"unknown field {k!r} in {_a(what)} (allowed: {', '.join(allowed)})")
+
+    def name(self, obj: dict[str, Any], key: str, where: str, default: Any = ...) -> str:
+        v = self.get(obj, key, where, str, default)
+        if not v:
+            raise self.fail(f"{where}.{key}", "a name must not be empty")
+        if "@" in v:
+            raise self.fail(f"{where}.{key}", f"a name must not contain '@' (it separates a name from a rank): {v!r}")
+        return v
+
+
+def _a(what: str) -> str:
+    what = f"{what} document" if what in ("sequential", "distributed") else what
+    return ("an " if what[0] in "aeiou" else "a ") + what
 
 
 def read_json(path: str | Path) -> Any:
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(str(path), "$", f"not UTF-8 text (byte {e.start}): not a JSON file") from None
     except OSError as e:
         raise InputError(str(path), "$", f"cannot read: {e.strerror or e}") from None
     try:
-        return json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_Object)
     except json.JSONDecodeError as e:
         raise InputError(str(path), f"line {e.lineno} column {e.colno}", f"malformed JSON: {e.msg}") from None
+    except RecursionError:
+        raise InputError(str(path), "$", "malformed JSON: nested too deeply") from None
+    dup = _duplicate_key(doc, "$")
+    if dup is not None:
+        where, key = dup
+        raise InputError(str(path), where, f"key {key!r} appears twice in one object (JSON keeps only the last)")
+    return doc
+
+
+class _Object(dict):
+    """A JSON object that remembers keys given more than once."""
+
+    dups: tuple[str, ...] = ()
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        super().__init__(pairs)
+        if len(self) != len(pairs):
+            seen: set[str] = set()
+            self.dups = tuple(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+
+
+def _duplicate_key(v: Any, where: str) -> tuple[str, str] | None:
+    if isinstance(v, _Object) and v.dups:
+        return where, v.dups[0]
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        found = _duplicate_key(x, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
+        if found:
+            return found
+    return None
 
 
 def _header(c: _Ctx, doc: Any, kind: str) -> None:
     if not isinstance(doc, dict):
-        raise c.fail("$", "the document must be a JSON object")
-    if doc.get("format") != FORMAT:
-        raise c.fail("$.format", f"expected {FORMAT!r}, got {doc.get('format')!r}")
-    if doc.get("version") != VERSION:
-        raise c.fail("$.version", f"unsupported version {doc.get('version')!r} (this refine reads {VERSION})")
-    if doc.get("kind") != kind:
-        raise c.fail("$.kind", f"expected {kind!r}, got {doc.get('kind')!r}")
+        raise c.fail("$", f"the document must be a JSON object, got {_json_type(doc)}")
+    for key, want in (("format", FORMAT), ("version", VERSION), ("kind", kind)):
+        if key not in doc:
+            raise c.fail("$", f"missing field {key!r} (expected {want!r})")
+    fmt, version, got = doc["format"], doc["version"], doc["kind"]
+    if fmt != FORMAT:
+        raise c.fail("$.format", f"expected {FORMAT!r}, got {fmt!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or version != VERSION:
+        raise c.fail("$.version", f"unsupported version {version!r} (this refine reads {VERSION})")
+    if got != kind:
+        if got in ("sequential", "distributed"):
+            raise c.fail("$.kind", f"expected {kind!r}, got {got!r}: are the two files swapped?")
+        raise c.fail("$.kind", f"expected {kind!r}, got {got!r}")
+    c.fields(doc, "$", kind)
 
 
 def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
@@ -94,25 +190,88 @@ def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
     return TensorType(tuple(shape), dtype)
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _attr_problem(name: str, kind: str, v: Any) -> str | None:
+    """Why attribute value `v` does not fit `kind`, or None if it does."""
+    optional = kind.endswith("?")
+    kind = kind.rstrip("?")
+    if v is None:
+        return None if optional else "is required; null is not a value for it"
+    ok = {
+        "int": _is_int(v),
+        "dim": _is_int(v),
+        "ints": isinstance(v, list) and all(_is_int(x) for x in v),
+        "shape": isinstance(v, list) and all(_is_int(x) for x in v),
+        "dims": _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+        "float": _is_num(v),
+        "bool": isinstance(v, bool),
+        "str": isinstance(v, str),
+    }
+    if kind == "rational":
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+                raise ValueError
+            Fraction(v)
+            return None
+        except (ValueError, ZeroDivisionError, OverflowError):
+            return f"must be a number or a fraction like '1/2', got {v!r}"
+    if kind not in ok or ok[kind]:
+        if name == "dtype" and isinstance(v, str) and v not in DTYPES:
+            return f"unknown dtype {v!r} (known: {', '.join(DTYPES)})"
+        if kind == "shape" and any(x < 0 for x in v):
+            return f"a shape's dims must be non-negative, got {v!r}"
+        return None
+    want = {"int": "an integer", "dim": "an integer (a dim)", "ints": "a list of integers",
+            "shape": "a list of integers (a shape)", "dims": "an integer or a list of integers",
+            "float": "a number", "bool": "true or false", "str": "a string"}[kind]
+    return f"must be {want}, got {_json_type(v)} {json.dumps(v)}"
+
+
+def _check_attrs(c: _Ctx, op: Op, op_name: str, name: str, attrs: dict[str, Any], at: str) -> None:
+    known = op.attr_kinds()
+    for k, v in attrs.items():
+        if k not in known:
+            raise c.fail(f"{at}.attrs.{k}",
+                         f"op {op_name!r} has no attribute {k!r} (it has: {', '.join(known) or 'none'})")
+        problem = _attr_problem(k, known[k], v)
+        if problem:
+            raise c.fail(f"{at}.attrs.{k}", f"attribute {k!r} of op {op_name!r} {problem}")
+    for k, kind in op.attrs:
+        if not kind.endswith("?") and k not in attrs:
+            raise c.fail(f"{at}.attrs", f"node {name!r}: op {op_name!r} needs attribute {k!r} ({kind})")
+
+
+def _lowerable(op: Op) -> bool:
+    return op.core or op.decompose is not None or op.kind in ("identity", "collective")
+
+
 def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
+    c.fields(obj, where, "graph")
     g = Graph(name=where)
     seen: dict[str, str] = {}
 
     def define(name: str, at: str) -> None:
-        if not name:
-            raise c.fail(at, "a name must not be empty")
         if name in seen:
-            raise c.fail(at, f"name {name!r} is already defined at {seen[name]}")
+            raise c.fail(f"{at}.name", f"name {name!r} is already defined at {seen[name]}")
         seen[name] = at
 
     for i, inp in enumerate(c.get(obj, "inputs", where, list)):
         at = f"{where}.inputs[{i}]"
-        name = c.get(inp, "name", at, str)
+        c.fields(inp, at, "input")
+        name = c.name(inp, "name", at)
         define(name, at)
         role = c.get(inp, "role", at, str, "data")
         if role not in ROLES_IN:
             raise c.fail(f"{at}.role", f"role must be one of {list(ROLES_IN)}, got {role!r}")
-        g.inputs.append(Input(name, _type(c, inp, at), role, inp.get("source")))
+        src = c.get(inp, "source", at, str, None)
+        g.inputs.append(Input(name, _type(c, inp, at), role, src))
 
     raw_nodes = c.get(obj, "nodes", where, list)
     # every name first, so that a reference to a later node is reported as a cycle/order error
@@ -123,12 +282,16 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
             later.setdefault(name, i)
     for i, n in enumerate(raw_nodes):
         at = f"{where}.nodes[{i}]"
-        name = c.get(n, "name", at, str)
+        c.fields(n, at, "node")
+        name = c.name(n, "name", at)
         define(name, at)
         op_name = c.get(n, "op", at, str)
         op = registry.ops.get(op_name)
         if op is None:
             raise c.fail(f"{at}.op", f"unknown op {op_name!r} in node {name!r}: no rule family defines it")
+        if not _lowerable(op):
+            raise c.fail(f"{at}.op", f"op {op_name!r} in node {name!r} (rule family {op.family!r}) is not a core op "
+                                     "and has no decomposition: refine cannot reason about it")
         args = c.get(n, "args", at, list, [])
         for j, a in enumerate(args):
             if isinstance(a, str):
@@ -137,13 +300,10 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                         kind = "a cycle" if later[a] >= i else "an ordering error"
                         raise c.fail(f"{at}.args[{j}]", f"{name!r} uses {a!r}, defined later: {kind} (nodes must be in topological order)")
                     raise c.fail(f"{at}.args[{j}]", f"{name!r} refers to {a!r}, which is not defined")
-            elif not isinstance(a, (int, float)) and a is not None:
-                raise c.fail(f"{at}.args[{j}]", f"an argument is a name or a number, got {type(a).__name__}")
+            elif not _is_num(a):
+                raise c.fail(f"{at}.args[{j}]", f"an argument is a name or a number, got {_json_type(a)}")
         attrs = c.get(n, "attrs", at, dict, {})
-        known = op.attr_kinds()
-        for k in attrs:
-            if k not in known:
-                raise c.fail(f"{at}.attrs.{k}", f"op {op_name!r} has no attribute {k!r} (it has: {', '.join(known) or 'none'})")
+        _check_attrs(c, op, op_name, name, attrs, at)
         tensors = [a for a in args if isinstance(a, str)]
         if op.inputs >= 0 and len(args) != op.inputs:
             raise c.fail(f"{at}.args", f"op {op_name!r} takes {op.inputs} argument(s), got {len(args)}")
@@ -153,27 +313,30 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         ins = [g.type_of(a) for a in tensors]
         try:
             norm = normalize_attrs(op, attrs, ins)
-            if op.kind == "collective":
-                norm = {**norm, "group": tuple(norm.get("group", ()))} if "group" in known else norm
             inferred = op.shape(ins, norm)
         except ShapeError as e:
             raise c.fail(at, f"node {name!r} ({op_name}): {e}") from None
-        except (TypeError, KeyError, ValueError) as e:
-            raise c.fail(at, f"node {name!r} ({op_name}): bad arguments or attributes: {e}") from None
-        if inferred.shape != typ.shape:
+        except Exception as e:  # a shape rule meeting arguments it cannot take
+            lit = next((j for j, a in enumerate(args) if not isinstance(a, str)), None)
+            if lit is not None:
+                raise c.fail(f"{at}.args[{lit}]", f"node {name!r}: op {op_name!r} does not take the number literal "
+                                                  f"{args[lit]!r} here ({type(e).__name__}: {e})") from None
+            raise c.fail(at, f"node {name!r} ({op_name}): bad arguments or attributes for its shape rule "
+                             f"({type(e).__name__}: {e})") from None
+        if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
-        src = n.get("source")
-        if src is not None and not isinstance(src, str):
-            raise c.fail(f"{at}.source", "source must be a string like 'file.py:12'")
+        src = c.get(n, "source", at, str, None)
         g.nodes.append(Node(name, op_name, list(args), attrs, typ, src))
 
     outs = c.get(obj, "outputs", where, list)
     if not outs:
         raise c.fail(f"{where}.outputs", "a graph needs at least one output")
     names: set[str] = set()
+    inputs = {i.name for i in g.inputs}
     for i, o in enumerate(outs):
         at = f"{where}.outputs[{i}]"
-        name = c.get(o, "name", at, str)
+        c.fields(o, at, "output")
+        name = c.name(o, "name", at)
         ref = c.get(o, "ref", at, str, name)
         if ref not in seen:
             raise c.fail(f"{at}.ref", f"output {name!r} refers to {ref!r}, which is not defined")
@@ -183,7 +346,10 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         role = c.get(o, "role", at, str, "other")
         if role not in ROLES_OUT:
             raise c.fail(f"{at}.role", f"role must be one of {list(ROLES_OUT)}, got {role!r}")
-        g.outputs.append(Output(name, ref, role, o.get("of")))
+        of = c.get(o, "of", at, str, None)
+        if of is not None and of not in inputs:
+            raise c.fail(f"{at}.of", f"output {name!r} is the gradient of {of!r}, which is not an input")
+        g.outputs.append(Output(name, ref, role, of))
     return g
 
 
@@ -201,7 +367,7 @@ def load_seq(path: str | Path, registry: Registry) -> Graph:
 
 def parse_placement(c: _Ctx, text: Any, where: str) -> Placement:
     if not isinstance(text, str):
-        raise c.fail(where, f"a placement is a string like 'Shard(0)', got {text!r}")
+        raise c.fail(where, f"a placement is a string like 'Shard(0)', got {_json_type(text)} {json.dumps(text)}")
     t = text.strip()
     if t in ("Replicate", "Replicate()", "R"):
         return Placement("replicate")
@@ -217,16 +383,136 @@ def parse_placement(c: _Ctx, text: Any, where: str) -> Placement:
     raise c.fail(where, f"unknown placement {text!r} (Replicate, Shard(d), Partial(sum), Partial(max))")
 
 
-def _placements(c: _Ctx, obj: dict[str, Any], where: str, mesh: Mesh) -> tuple[Placement, ...]:
+def _placements(c: _Ctx, obj: dict[str, Any], where: str, mesh: Mesh, ndim: int, what: str
+                ) -> tuple[Placement, ...]:
+    """One placement per mesh axis; Shard dims normalized against a tensor of `ndim` dims."""
     raw = obj["placements"]
+    at = f"{where}.placements"
+    names = [a for a, _ in mesh.axes]
     if isinstance(raw, dict):
-        unknown = set(raw) - {a for a, _ in mesh.axes}
-        if unknown:
-            raise c.fail(f"{where}.placements", f"unknown mesh axis {sorted(unknown)[0]!r}")
-        raw = [raw.get(a, "Replicate") for a, _ in mesh.axes]
-    if not isinstance(raw, list) or len(raw) != len(mesh.axes):
-        raise c.fail(f"{where}.placements", f"expected one placement per mesh axis ({len(mesh.axes)})")
-    return tuple(parse_placement(c, p, f"{where}.placements[{i}]") for i, p in enumerate(raw))
+        for k in raw:
+            if k not in names:
+                raise c.fail(f"{at}.{k}", f"unknown mesh axis {k!r} (axes: {', '.join(names)})")
+        items = [(f"{at}.{a}", raw.get(a, "Replicate")) for a in names]
+    elif isinstance(raw, list):
+        if len(raw) != len(mesh.axes):
+            raise c.fail(at, f"expected one placement per mesh axis ({len(mesh.axes)}: {', '.join(names)}), got {len(raw)}")
+        items = [(f"{at}[{i}]", p) for i, p in enumerate(raw)]
+    else:
+        raise c.fail(at, f"expected a list (one placement per mesh axis) or an object by axis name, got {_json_type(raw)}")
+    out = []
+    for path, p in items:
+        pl = parse_placement(c, p, path)
+        if pl.kind == "shard":
+            assert pl.dim is not None
+            if not -ndim <= pl.dim < ndim:
+                raise c.fail(path, f"{pl} is out of range for {what}, which has {ndim} dim(s)")
+            pl = Placement("shard", dim=pl.dim % ndim)
+        out.append(pl)
+    return tuple(out)
+
+
+def _placed_shape(c: _Ctx, mesh: Mesh, placements: tuple[Placement, ...], shape_of: Callable[[int], tuple[int, ...]],
+                  where: str, what: str) -> tuple[int, ...]:
+    """The shape of the tensor the ranks' pieces `shape_of(rank)` make when placed this way:
+    replicas (and partial terms) must agree, shards must concatenate."""
+
+    def go(axis: int, coords: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
+        if axis == len(mesh.axes):
+            r = mesh.rank(coords)
+            return tuple(shape_of(r)), r
+        parts = [go(axis + 1, coords + (i,)) for i in range(mesh.axes[axis][1])]
+        p, (first, r0) = placements[axis], parts[0]
+        ax = mesh.axes[axis][0]
+        for s, r in parts[1:]:
+            if p.kind == "shard":
+                d = p.dim
+                assert d is not None
+                if len(s) != len(first) or d >= len(s) or any(x != y for k, (x, y) in enumerate(zip(s, first, strict=True)) if k != d):
+                    raise c.fail(where, f"{what}: the pieces on rank {r0} {list(first)} and rank {r} {list(s)} "
+                                        f"cannot be concatenated along dim {d} ({p} on mesh axis {ax!r})")
+            elif s != first:
+                role = "replicas" if p.kind == "replicate" else "terms of one partial sum"
+                raise c.fail(where, f"{what}: rank {r0} holds shape {list(first)} but rank {r} holds {list(s)}; "
+                                    f"they cannot be {role} ({p} on mesh axis {ax!r})")
+        if p.kind != "shard":
+            return first, r0
+        assert p.dim is not None
+        return first[:p.dim] + (sum(s[p.dim] for s, _ in parts),) + first[p.dim + 1:], r0
+
+    return go(0, ())[0]
+
+
+def _check_collectives(c: _Ctx, ranks: dict[int, Graph], at_rank: dict[int, str], registry: Registry) -> None:
+    """The k-th collective of a group on each member is one collective: every member must run
+    it, with the same op and attributes, on inputs of one shape; each send meets its recv."""
+    by_group: dict[tuple[tuple[int, ...], int], dict[int, tuple[Node, str]]] = {}
+    p2p: dict[tuple[int, int], tuple[list[tuple[Node, str]], list[tuple[Node, str]]]] = {}
+    for r, g in sorted(ranks.items()):
+        count: dict[tuple[int, ...], int] = {}
+        for j, n in enumerate(g.nodes):
+            if registry.ops[n.op].kind != "collective":
+                continue
+            at = f"{at_rank[r]}.graph.nodes[{j}]"
+            if n.op in ("send", "recv"):
+                peer = n.attrs["peer"]
+                pair = (r, peer) if n.op == "send" else (peer, r)
+                p2p.setdefault(pair, ([], []))[n.op == "recv"].append((n, at))
+                continue
+            if not isinstance(n.attrs.get("group"), list):
+                raise c.fail(f"{at}.op", f"collective {n.op!r} in node {n.name!r} has no 'group' (a list of ranks): "
+                                         "refine cannot match it across ranks")
+            group = tuple(n.attrs["group"])
+            k = count.get(group, 0)
+            count[group] = k + 1
+            by_group.setdefault((group, k), {})[r] = (n, at)
+
+    def signature(g: Graph, n: Node) -> tuple[str, dict[str, Any], TensorType | None]:
+        op = registry.ops[n.op]
+        ins = [g.type_of(a) for a in n.tensor_args()]
+        return n.op, normalize_attrs(op, n.attrs, ins), ins[0] if ins else None
+
+    for (group, k), members in sorted(by_group.items()):
+        r0 = min(members)
+        n0, at0 = members[r0]
+        for r in group:
+            if r not in members:
+                raise c.fail(at0, f"collective #{k} of group {list(group)} on rank {r0} ({n0.op} {n0.name!r}) "
+                                  f"has no partner on rank {r}: rank {r} runs only {_count(ranks[r], group, registry)} "
+                                  f"collective(s) of that group")
+        op0, attrs0, in0 = signature(ranks[r0], n0)
+        for r, (n, at) in sorted(members.items()):
+            op, attrs, inp = signature(ranks[r], n)
+            if op != op0 or attrs != attrs0:
+                raise c.fail(at, f"collective #{k} of group {list(group)} is {op} {_show(n.attrs)} on rank {r} "
+                                 f"(node {n.name!r}) but {op0} {_show(n0.attrs)} on rank {r0} (node {n0.name!r})")
+            if inp is not None and in0 is not None and inp != in0:
+                raise c.fail(f"{at}.args[0]", f"collective #{k} of group {list(group)} ({op}) gets {inp} on rank {r} "
+                                              f"(node {n.name!r}) but {in0} on rank {r0} (node {n0.name!r})")
+    for (src, dst), (sends, recvs) in sorted(p2p.items()):
+        for i in range(max(len(sends), len(recvs))):
+            if i >= len(recvs):
+                n, at = sends[i]
+                raise c.fail(at, f"rank {src} sends {n.tensor_args()[0]!r} (node {n.name!r}, send #{i} to rank {dst}) "
+                                 f"but rank {dst} has {len(recvs)} matching recv(s) from rank {src}")
+            if i >= len(sends):
+                n, at = recvs[i]
+                raise c.fail(at, f"rank {dst} receives {n.name!r} (recv #{i} from rank {src}) "
+                                 f"but rank {src} has {len(sends)} matching send(s) to rank {dst}")
+            (s, s_at), (v, v_at) = sends[i], recvs[i]
+            sent = ranks[src].type_of(s.tensor_args()[0])
+            if sent.shape != v.type.shape or sent.dtype != v.type.dtype:
+                raise c.fail(v_at, f"recv {v.name!r} on rank {dst} expects {v.type} but the matching send "
+                                   f"{s.name!r} on rank {src} ({s_at}) sends {sent}")
+
+
+def _count(g: Graph, group: tuple[int, ...], registry: Registry) -> int:
+    return sum(1 for n in g.nodes if registry.ops[n.op].kind == "collective"
+               and tuple(n.attrs.get("group") or ()) == group)
+
+
+def _show(attrs: dict[str, Any]) -> str:
+    return json.dumps(attrs, sort_keys=True, default=str)
 
 
 def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
@@ -234,80 +520,160 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     doc = read_json(path)
     _header(c, doc, "distributed")
     mesh_obj = c.get(doc, "mesh", "$", dict)
+    c.fields(mesh_obj, "$.mesh", "mesh")
     axes = []
     for i, ax in enumerate(c.get(mesh_obj, "axes", "$.mesh", list)):
         at = f"$.mesh.axes[{i}]"
-        name = c.get(ax, "name", at, str)
+        c.fields(ax, at, "axis")
+        name = c.name(ax, "name", at)
+        if name in {a for a, _ in axes}:
+            raise c.fail(f"{at}.name", f"mesh axis {name!r} is named twice")
         size = c.get(ax, "size", at, int)
         if size < 1:
-            raise c.fail(f"{at}.size", "an axis size must be at least 1")
+            raise c.fail(f"{at}.size", f"an axis size must be at least 1, got {size}")
         axes.append((name, size))
     if not axes:
         raise c.fail("$.mesh.axes", "the mesh needs at least one axis")
     mesh = Mesh(tuple(axes))
 
     ranks: dict[int, Graph] = {}
+    at_rank: dict[int, str] = {}
     for i, r in enumerate(c.get(doc, "ranks", "$", list)):
         at = f"$.ranks[{i}]"
+        c.fields(r, at, "rank")
         rank = c.get(r, "rank", at, int)
         if not 0 <= rank < mesh.size:
             raise c.fail(f"{at}.rank", f"rank {rank} is outside the mesh of {mesh.size} ranks")
         if rank in ranks:
-            raise c.fail(f"{at}.rank", f"rank {rank} appears twice")
+            raise c.fail(f"{at}.rank", f"rank {rank} appears twice (also at {at_rank[rank]})")
         g = load_graph(c, c.get(r, "graph", at, dict), f"{at}.graph", registry)
         g.name = f"rank{rank}"
         for j, n in enumerate(g.nodes):
+            if registry.ops[n.op].kind != "collective":
+                continue
+            nat = f"{at}.graph.nodes[{j}].attrs"
             group = n.attrs.get("group")
-            if group is not None:
-                bad = [x for x in group if not isinstance(x, int) or not 0 <= x < mesh.size]
+            if isinstance(group, list):
+                bad = [x for x in group if not _is_int(x) or not 0 <= x < mesh.size]
                 if bad:
-                    raise c.fail(f"{at}.graph.nodes[{j}].attrs.group", f"rank {bad[0]!r} is not in the mesh")
+                    raise c.fail(f"{nat}.group", f"rank {bad[0]!r} is not in the mesh of {mesh.size} ranks")
                 if rank not in group:
-                    raise c.fail(f"{at}.graph.nodes[{j}].attrs.group", f"rank {rank} runs a collective of group {list(group)} it is not in")
+                    raise c.fail(f"{nat}.group", f"rank {rank} runs a collective of group {list(group)} it is not in")
+            peer = n.attrs.get("peer")
+            if peer is not None:
+                if not _is_int(peer) or not 0 <= peer < mesh.size:
+                    raise c.fail(f"{nat}.peer", f"peer rank {peer} is not in the mesh of {mesh.size} ranks")
+                if peer == rank:
+                    raise c.fail(f"{nat}.peer", f"rank {rank} cannot {n.op} to itself")
         ranks[rank] = g
+        at_rank[rank] = at
     missing = sorted(set(range(mesh.size)) - set(ranks))
     if missing:
         raise c.fail("$.ranks", f"no graph for rank {missing[0]} (the mesh has {mesh.size} ranks)")
+    _check_collectives(c, ranks, at_rank, registry)
 
     seq_inputs = {i.name: i for i in seq.inputs}
     relations: list[Relation] = []
+    related: dict[str, str] = {}
     for i, rel in enumerate(c.get(doc, "relations", "$", list, [])):
         at = f"$.relations[{i}]"
+        c.fields(rel, at, "relation")
         src = c.get(rel, "from", at, str)
         if src not in seq_inputs:
-            raise c.fail(f"{at}.from", f"{src!r} is not an input of the sequential graph")
+            raise c.fail(f"{at}.from", f"{src!r} is not an input of the sequential graph "
+                                       f"(inputs: {', '.join(seq_inputs) or 'none'})")
+        if src in related:
+            raise c.fail(f"{at}.from", f"a second relation for sequential input {src!r} (the first is {related[src]})")
+        related[src] = at
+        want = seq_inputs[src].type.shape
         if "layout" in rel:
+            for k in ("placements", "input"):
+                if k in rel:
+                    raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements', not both")
             text = c.get(rel, "layout", at, str)
             try:
                 term = parse_layout(text)
             except LayoutSyntaxError as e:
-                raise c.fail(f"{at}.layout", str(e)) from None
+                raise c.fail(f"{at}.layout", f"syntax error in layout {text!r}: {e}") from None
+            except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
+                raise c.fail(f"{at}.layout", f"syntax error in layout {text!r} ({type(e).__name__}: {e})") from None
             for leaf in sorted(term.leaves()):
                 name, _, r = leaf.rpartition("@")
-                if int(r) not in ranks or name not in {x.name for x in ranks[int(r)].inputs}:
+                if int(r) not in ranks:
+                    raise c.fail(f"{at}.layout", f"{leaf!r}: there is no rank {r} (the mesh has {mesh.size} ranks)")
+                if name not in {x.name for x in ranks[int(r)].inputs}:
                     raise c.fail(f"{at}.layout", f"{leaf!r} is not an input of rank {r}")
+            _layout_shape(c, term, ranks, registry, want, f"{at}.layout", src)
             relations.append(Relation(src, layout=term, where=at))
             continue
-        local = c.get(rel, "input", at, str, src)
+        local = c.name(rel, "input", at, src)
         if "placements" not in rel:
             raise c.fail(at, "a relation needs 'placements' or 'layout'")
-        pl = _placements(c, rel, at, mesh)
-        for r, g in ranks.items():
+        pl = _placements(c, rel, at, mesh, len(want), f"sequential input {src!r}")
+        for r, g in sorted(ranks.items()):
             if local not in {x.name for x in g.inputs}:
-                raise c.fail(f"{at}.input", f"{local!r} is not an input of rank {r}")
+                raise c.fail(f"{at}.input" if "input" in rel else f"{at}.from",
+                             f"{local!r} is not an input of rank {r}")
+        got = _placed_shape(c, mesh, pl, lambda r, local=local: ranks[r].type_of(local).shape, f"{at}.placements",
+                            f"rank input {local!r} placed [{', '.join(map(str, pl))}]")
+        if got != want:
+            raise c.fail(f"{at}.placements", f"the ranks' pieces of {src!r} ({local!r} placed [{', '.join(map(str, pl))}]) "
+                                             f"make shape {list(got)}, but the sequential input has {list(want)}")
         relations.append(Relation(src, local, pl, where=at))
 
     expectations: list[Expectation] = []
-    seq_outs = {o.name for o in seq.outputs}
+    seq_outs = {o.name: o for o in seq.outputs}
+    expected: dict[str, str] = {}
     for i, ex in enumerate(c.get(doc, "expectations", "$", list, [])):
         at = f"$.expectations[{i}]"
+        c.fields(ex, at, "expectation")
         out = c.get(ex, "output", at, str)
         if out not in seq_outs:
-            raise c.fail(f"{at}.output", f"{out!r} is not an output of the sequential graph")
-        local = c.get(ex, "local", at, str, out)
-        for r, g in ranks.items():
-            if local not in {o.name for o in g.outputs}:
-                raise c.fail(f"{at}.local", f"{local!r} is not an output of rank {r}")
-        pl = _placements(c, ex, at, mesh) if "placements" in ex else tuple(Placement("replicate") for _ in mesh.axes)
+            raise c.fail(f"{at}.output", f"{out!r} is not an output of the sequential graph "
+                                         f"(outputs: {', '.join(seq_outs)})")
+        if out in expected:
+            raise c.fail(f"{at}.output", f"a second expectation for output {out!r} (the first is {expected[out]})")
+        expected[out] = at
+        local = c.name(ex, "local", at, out)
+        refs: dict[int, str] = {}
+        for r, g in sorted(ranks.items()):
+            o = next((o for o in g.outputs if o.name == local), None)
+            if o is None:
+                raise c.fail(f"{at}.local" if "local" in ex else f"{at}.output", f"{local!r} is not an output of rank {r}")
+            refs[r] = o.ref
+        want = seq.type_of(seq_outs[out].ref).shape
+        if "placements" in ex:
+            pl = _placements(c, ex, at, mesh, len(want), f"sequential output {out!r}")
+        else:
+            pl = tuple(Placement("replicate") for _ in mesh.axes)
+        got = _placed_shape(c, mesh, pl, lambda r, refs=refs: ranks[r].type_of(refs[r]).shape, f"{at}.placements",
+                            f"rank output {local!r} placed [{', '.join(map(str, pl))}]")
+        if got != want:
+            raise c.fail(f"{at}.placements", f"rank output {local!r} placed [{', '.join(map(str, pl))}] makes shape "
+                                             f"{list(got)}, but the sequential output {out!r} has {list(want)}")
         expectations.append(Expectation(out, local, pl, where=at))
     return Dist(mesh, ranks, relations, expectations)
+
+
+def _layout_shape(c: _Ctx, term: Any, ranks: dict[int, Graph], registry: Registry, want: tuple[int, ...],
+                  where: str, src: str) -> None:
+    """A layout must be well-shaped and make the sequential input's shape."""
+
+    def shape(t: Any) -> TensorType:
+        if t.op in ("D", "Out"):
+            name, _, r = t.attrs[0].rpartition("@")
+            return ranks[int(r)].type_of(name)
+        ins = [shape(a) for a in t.args]
+        op = registry.ops[t.op]
+        attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
+        return op.shape(ins, attrs)
+
+    try:
+        got = shape(term)
+    except ShapeError as e:
+        raise c.fail(where, f"the layout for {src!r} is ill-shaped: {e}") from None
+    except Exception as e:
+        raise c.fail(where, f"the layout for {src!r} is ill-shaped ({type(e).__name__}: {e})") from None
+    if tuple(got.shape) != want:
+        raise c.fail(where, f"the layout for {src!r} makes shape {list(got.shape)}, "
+                            f"but the sequential input has {list(want)}")

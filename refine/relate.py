@@ -88,7 +88,7 @@ def build_program(dist: Dist, registry: Registry, file: str) -> tuple[DistProgra
         try:
             core, rename = lower(g, registry)
         except ShapeError as e:
-            raise InputError(file, f"$.ranks[{r}]", str(e)) from None
+            raise InputError(file, "$.ranks", f"rank {r}: {e}") from None
         cores[r] = core
         for i in core.inputs:
             prog.add(tensor_name(r, i.name), i.type, None, None)
@@ -107,7 +107,10 @@ def build_program(dist: Dist, registry: Registry, file: str) -> tuple[DistProgra
 
 
 def _match_collectives(cores: dict[int, Graph], registry: Registry, file: str) -> dict[str, Term]:
-    """The k-th collective of a group on each member are one collective."""
+    """The k-th collective of a group on each member are one collective.
+
+    The loader (refine.format) already checks all of this with exact JSON paths; these checks
+    are a backstop for programs built in Python, so they name the rank, not a path."""
     by_group: dict[tuple[tuple[int, ...], int], dict[int, Node]] = {}
     sends: dict[tuple[int, int], list[str]] = {}
     recvs: dict[tuple[int, int], list[tuple[str, Node]]] = {}
@@ -131,13 +134,13 @@ def _match_collectives(cores: dict[int, Graph], registry: Registry, file: str) -
         some = next(iter(members.values()))
         for r in group:
             if r not in members:
-                raise InputError(file, f"$.ranks[{r}]",
+                raise InputError(file, "$.ranks",
                                  f"collective #{k} of group {list(group)} ({some.op} {some.name!r}) has no partner on rank {r}")
         first = members[group[0]]
         for r, n in members.items():
             if n.op != first.op or {a: v for a, v in n.attrs.items()} != first.attrs:
-                raise InputError(file, f"$.ranks[{r}]",
-                                 f"collective #{k} of group {list(group)} is {n.op} {n.attrs} here (node {n.name!r}) "
+                raise InputError(file, "$.ranks",
+                                 f"rank {r}: collective #{k} of group {list(group)} is {n.op} {n.attrs} (node {n.name!r}) "
                                  f"but {first.op} {first.attrs} on rank {group[0]} (node {first.name!r})")
         xs = [leaf(tensor_name(r, members[r].tensor_args()[0])) for r in group]
         in_size = cores[group[0]].type_of(first.tensor_args()[0]).shape
@@ -150,13 +153,13 @@ def _match_collectives(cores: dict[int, Graph], registry: Registry, file: str) -
     for pair, recv_list in recvs.items():
         send_list = sends.get(pair, [])
         if len(send_list) != len(recv_list):
-            raise InputError(file, f"$.ranks[{pair[1]}]",
+            raise InputError(file, "$.ranks",
                              f"rank {pair[1]} receives {len(recv_list)} tensor(s) from rank {pair[0]}, which sends {len(send_list)}")
         for src, (dst, _node) in zip(send_list, recv_list, strict=True):
             out[dst] = leaf(src)
     for pair in sends:
         if pair not in recvs:
-            raise InputError(file, f"$.ranks[{pair[0]}]", f"rank {pair[0]} sends to rank {pair[1]}, which never receives")
+            raise InputError(file, "$.ranks", f"rank {pair[0]} sends to rank {pair[1]}, which never receives")
     return out
 
 
@@ -169,9 +172,14 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             raise InputError(file, rel.where, f"a second relation for sequential input {rel.source!r}")
         if rel.layout is not None:
             term = rel.layout
+            _check_shape(term, seq.type_of(rel.source), prog, registry, file, rel)
         else:
+            # every replica must make the sequential input, not only the first one
+            assert rel.placements is not None and rel.local is not None
+            local = rel.local
+            for t in placed_terms(lambda r, local=local: tensor_name(r, local), rel.placements, dist.mesh):
+                _check_shape(t, seq.type_of(rel.source), prog, registry, file, rel)
             term = _placed(rel, dist.mesh, prog)
-        _check_shape(term, seq.type_of(rel.source), prog, registry, file, rel)
         out[rel.source] = term
     for inp in seq.inputs:
         if inp.name in out:
@@ -240,8 +248,13 @@ def _check_shape(term: Term, want: TensorType, prog: DistProgram, registry: Regi
                  rel: Relation) -> None:
     try:
         got = term_type(term, prog, registry)
-    except (ShapeError, KeyError) as e:
+    except ShapeError as e:
         raise InputError(file, rel.where, f"the relation for {rel.source!r} is ill-shaped: {e}") from None
+    except KeyError as e:
+        raise InputError(file, rel.where, f"the relation for {rel.source!r} names {e}, which is not a rank input") from None
+    except Exception as e:  # a shape rule meeting a term it cannot take
+        raise InputError(file, rel.where,
+                         f"the relation for {rel.source!r} is ill-shaped ({type(e).__name__}: {e})") from None
     if got.shape != want.shape:
         raise InputError(file, rel.where,
                          f"the ranks' pieces of {rel.source!r} make shape {list(got.shape)}, "
