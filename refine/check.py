@@ -128,7 +128,8 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         target = min((refs[r.name] for r in failing), key=lambda n: order.get(n, -1))
         first = next(r for r in failing if refs[r.name] == target)
         node = core.index().get(target)
-        reason = f"output {first.name!r}: relation {first.relation} does not meet the expectation ({first.detail})"
+        reason = (f"the sequential value of output {first.name!r} is {first.relation} over rank tensors, "
+                  f"but the rank outputs do not hold it: {first.detail} (expectation: {first.expectation})")
         if node is None:  # the output is an input of the sequential graph
             return Culprit(target, "input", None, None, [], [], first.relation, reason, first.name)
     user = node.origin or node.name

@@ -41,8 +41,12 @@ class Builder:
         if type is not None and type.shape != inferred.shape:
             raise ShapeError(f"{op} gives shape {list(inferred.shape)}, node says {list(type.shape)}")
         if name is None:
-            self.count += 1
-            name = f"{self.origin}.{self.count}"
+            # readable and unique: fc2_bias.expand, fc2_bias.Sum, fc2_bias.expand2
+            base = f"{self.origin}.{op}"
+            name, k = base, 1
+            while name in self.graph.index():
+                k += 1
+                name = f"{base}{k}"
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
         self.graph.nodes.append(Node(name, op, list(args), attrs, out, self.source, self.origin))
         self.graph._index = None

@@ -38,6 +38,9 @@ LEAF_OUT = 1  # a rank output
 LEAF = 3  # any other rank tensor
 CLEAN = 2
 COMPUTE = 100_000
+# Rule-internal helper constructors (a partial application mapped over a Sum, rewritten to
+# the real op one iteration later) must never be extracted: they cost more than anything.
+HELPER = 1_000_000_000
 
 
 class ShapeError(ValueError):

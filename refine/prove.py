@@ -170,9 +170,19 @@ class _Emitter:
         self.names[t] = name
         self.lines.append(f"(let {name} {text})")
         if typed:
-            shape = term_type(t, self.prog, self.registry).shape
+            shape = term_type(_outs_as_tensors(t, self.prog), self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV')})")
         return name
+
+
+def _outs_as_tensors(t: Term, prog: DistProgram) -> Term:
+    """`t` with each rank output leaf `Out(name@r)` read as the rank tensor it names, for
+    typing (an extracted relation may nest rank outputs, e.g. a concat of them)."""
+    if t.op == "Out":
+        return Term("D", (), (prog.outputs[t.attrs[0]],))
+    if t.op == "D":
+        return t
+    return Term(t.op, tuple(_outs_as_tensors(a, prog) for a in t.args), t.attrs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,10 +219,15 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
                 if u in seen:
                     continue
                 d = prog.defs[u]
-                if d is not None and all(canon(dep) in avail for dep in d.leaves()):
+                if d is not None and all(canon(dep) in avail or _constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
+            # constants the lowering made (a literal operand becomes `full`) come along
+            for dep in sorted(prog.defs[u].leaves()):  # type: ignore[union-attr]
+                if _constant(prog, dep) and dep not in seen:
+                    seen.add(dep)
+                    chosen.append(dep)
             seen.add(u)
             chosen.append(u)
             avail.add(canon(u))
@@ -220,6 +235,12 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
         if not layer:
             break
     return chosen
+
+
+def _constant(prog: DistProgram, name: str) -> bool:
+    """A rank tensor defined without any rank tensor: a `full` constant."""
+    d = prog.defs.get(name)
+    return d is not None and not d.leaves()
 
 
 def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
@@ -56,7 +58,7 @@ class Report:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        console = Console(record=True, width=120, force_terminal=False)
+        console = Console(record=True, width=120, force_terminal=False, file=io.StringIO())
         print_report(self, console)
         return console.export_text()
 
@@ -67,11 +69,12 @@ def print_report(r: Report, console: Console | None = None) -> None:
     for col in ("output", "role", "relation over rank tensors", "expectation", "ok"):
         table.add_column(col, overflow="fold")
     for o in r.outputs:
-        table.add_row(o.name, o.role, o.relation, o.expectation + (f"\n{o.detail}" if o.detail else ""),
+        table.add_row(escape(o.name), o.role, escape(o.relation),
+                      escape(o.expectation + (f"\n{o.detail}" if o.detail else "")),
                       "[green]yes[/]" if o.ok else "[red]no[/]")
     console.print(table)
     for g in r.guesses:
-        console.print(f"[yellow]guessed relation[/] {g}")
+        console.print(f"[yellow]guessed relation[/] {escape(g)}")
     if r.refines:
         console.print(Panel("[bold green]REFINES[/]: every output relates to the rank outputs as expected"))
     else:
@@ -79,7 +82,7 @@ def print_report(r: Report, console: Console | None = None) -> None:
         lines = ["[bold red]DOES NOT REFINE[/]"]
         if c is not None:
             where = f" at {c.source}" if c.source else ""
-            lines += [f"first sequential node that does not refine: [bold]{c.node}[/] ({c.op}){where}",
+            lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",
                       f"reason: {c.reason}", f"failing output: {c.output}", "inputs and their relations:"]
             lines += [f"  {name} = {rel}" for name, rel in c.inputs]
             if c.relation:
@@ -89,7 +92,7 @@ def print_report(r: Report, console: Console | None = None) -> None:
                 lines += [f"  {x}" for x in c.rank_nodes[:24]]
                 if len(c.rank_nodes) > 24:
                     lines.append(f"  ... {len(c.rank_nodes) - 24} more")
-        console.print(Panel("\n".join(lines)))
+        console.print(Panel("\n".join(lines[:1] + [escape(x) for x in lines[1:]])))
     s = r.stats
     if s:
         console.print(f"[dim]{s.get('seq_nodes')} sequential nodes, {s.get('rank_nodes')} rank nodes on "

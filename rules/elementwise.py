@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import Op, Registry, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Registry, Rule, ShapeError, rewrite, rule
 
 
 def _broadcast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -225,4 +225,4 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = ["(constructor MulBy (T T) T)", "(constructor DivBy (T T) T)"]
+DECLS = [f"(constructor MulBy (T T) T :cost {HELPER})", f"(constructor DivBy (T T) T :cost {HELPER})"]

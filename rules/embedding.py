@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from refine.ir import TensorType
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -52,4 +52,4 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = ["(constructor EmbRows (T T i64) T :cost 100000)"]
+DECLS = [f"(constructor EmbRows (T T i64) T :cost {HELPER})"]

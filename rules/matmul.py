@@ -13,7 +13,7 @@ import torch
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 
 def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -155,4 +155,4 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = ["(constructor MatmulBy (T T) T)"]
+DECLS = [f"(constructor MatmulBy (T T) T :cost {HELPER})"]

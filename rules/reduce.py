@@ -10,7 +10,7 @@ import torch
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -115,4 +115,4 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = ["(constructor RsumBy (i64 T) T)", "(constructor RmaxBy (i64 T) T)"]
+DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})"]

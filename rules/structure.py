@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from refine.ir import TensorType
-from refine.opset import Op, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, ShapeError, rewrite, rule
 
 
 def _cat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -234,8 +234,8 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
 
 # Helper constructors let a partially applied function map over the terms of a sum.
 DECLS = [
-    "(constructor ScaleBy (BigRat T) T)",
-    "(constructor SliceBy (i64 i64 i64 T) T)",
-    "(constructor ViewAs (IV T) T)",
-    "(constructor TransposeBy (i64 i64 T) T)",
+    f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
+    f"(constructor SliceBy (i64 i64 i64 T) T :cost {HELPER})",
+    f"(constructor ViewAs (IV T) T :cost {HELPER})",
+    f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
 ]
