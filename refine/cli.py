@@ -16,8 +16,8 @@ def main() -> None:
 
 
 @main.command("check")
-@click.argument("seq", type=click.Path(dir_okay=False))
-@click.argument("dist", type=click.Path(dir_okay=False))
+@click.argument("seq")
+@click.argument("dist")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 @click.option("--rules", "rules", multiple=True, type=click.Path(file_okay=False),
               help="a directory of extra rule files (repeatable)")
