@@ -1,0 +1,583 @@
+"""A torch interpreter for graphs, distributed programs and relation terms.
+
+Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on CPU, with
+each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
+`refine.relate` matches them: the k-th collective of a group on each member, and sends and
+receives between a pair of ranks in program order.
+
+On top of the interpreter:
+
+- `random_inputs(seq, dist, seed)`: random sequential inputs and rank inputs consistent with
+  the dist's input relations;
+- `differential(seq, dist)`: evaluate both sides and compare each sequential output to what
+  its expectation says the rank outputs hold (a TTrace-style differential test);
+- `audit(seq, dist)`: every relation `infer` returns must hold numerically.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+
+from refine.expr import Term
+from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, tensor_name
+from refine.normalize import lower, normalize_attrs
+from refine.opset import Registry, load_registry
+
+Tensor = torch.Tensor
+DEFAULT_INT_BOUND = 8
+RTOL = 1e-7
+ATOL = 1e-9
+
+
+class EvalError(RuntimeError):
+    """A program that cannot be evaluated (a deadlock, a missing input, a bad op)."""
+
+
+# ---------------------------------------------------------------------------------------
+# dtypes and values
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    if dtype == "bool":
+        return torch.bool
+    if dtype.startswith(("int", "uint")):
+        return torch.int64
+    return torch.float64
+
+
+def canon(value: Any, dtype: str | None = None) -> Tensor:
+    """A tensor in the interpreter's dtypes: float64, int64 or bool."""
+    t = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+    if dtype is not None:
+        want = torch_dtype(dtype)
+        if t.dtype != want:
+            t = t.to(want)
+        return t
+    if t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(torch.float64)
+    if not t.is_floating_point() and t.dtype not in (torch.bool, torch.int64):
+        return t.to(torch.int64)
+    return t
+
+
+def close(a: Tensor, b: Tensor, rtol: float = RTOL, atol: float = ATOL) -> bool:
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return bool(torch.equal(a.bool(), b.bool()))
+    return bool(torch.allclose(a.to(torch.float64), b.to(torch.float64), rtol=rtol, atol=atol, equal_nan=True))
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    if tuple(a.shape) != tuple(b.shape):
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    d = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    d = torch.where(torch.isnan(a.to(torch.float64)) & torch.isnan(b.to(torch.float64)), torch.zeros_like(d), d)
+    return float(torch.nan_to_num(d, nan=math.inf).max())
+
+
+# ---------------------------------------------------------------------------------------
+# Helper constructors that rule files declare in `DECLS` (partially applied ops mapped
+# over the terms of a sum, and the row-range embedding lookup). Their meaning, for terms
+# that hold them and for the rule checker.
+
+
+def _emb_rows(w: Tensor, ids: Tensor, s: int) -> Tensor:
+    """Rows [s, s + rows) of a table: ids in range look up row id - s, the rest give 0."""
+    ids = ids.long()
+    inside = (ids >= s) & (ids < s + w.shape[0])
+    local = torch.where(inside, ids - s, torch.zeros_like(ids))
+    out = torch.nn.functional.embedding(local, w)
+    return out.masked_fill(~inside.unsqueeze(-1), 0.0)
+
+
+def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
+    """Helper constructor name -> python function of its egglog arguments, in declaration
+    order (tensors and plain values)."""
+
+    def ref(name: str) -> Callable[..., Tensor]:
+        return lambda *a, **k: apply_op(registry, name, list(a), k)
+
+    return {
+        "ScaleBy": lambda r, x: ref("Scale")(x, factor=Fraction(r)),
+        "SliceBy": lambda d, s, e, x: ref("slice")(x, dim=d, start=s, end=e),
+        "ViewAs": lambda s, x: ref("view")(x, shape=tuple(s)),
+        "TransposeBy": lambda i, j, x: ref("transpose")(x, dim0=i, dim1=j),
+        "MulBy": lambda y, x: ref("mul_t")(x, y),
+        "DivBy": lambda y, x: ref("div_t")(x, y),
+        "MatmulBy": lambda b, a: ref("matmul")(a, b),
+        "RsumBy": lambda d, x: ref("rsum")(x, dim=d),
+        "RmaxBy": lambda d, x: ref("rmax")(x, dim=d),
+        "EmbRows": _emb_rows,
+    }
+
+
+_DECL = re.compile(r"\(constructor\s+(\S+)\s+\(([^()]*)\)\s+T\b")
+
+
+_HELPER_SORTS: dict[int, tuple[Registry, dict[str, tuple[str, ...]]]] = {}
+
+
+def helper_sorts(registry: Registry) -> dict[str, tuple[str, ...]]:
+    """Argument sorts of the helper constructors rule files declare (`DECLS`)."""
+    hit = _HELPER_SORTS.get(id(registry))
+    if hit is not None and hit[0] is registry:
+        return hit[1]
+    out: dict[str, tuple[str, ...]] = {}
+    for d in registry.decls:
+        m = _DECL.search(d)
+        if m:
+            out[m.group(1)] = tuple(m.group(2).split())
+    _HELPER_SORTS[id(registry)] = (registry, out)
+    return out
+
+
+def helper_args(sorts: tuple[str, ...], tensors: list[Any], attrs: tuple[Any, ...]) -> list[Any]:
+    """A helper term's arguments in declaration order: tensors where the sort is T."""
+    ts, rest = iter(tensors), iter(attrs)
+    return [next(ts) if s == "T" else next(rest) for s in sorts]
+
+
+def apply_op(registry: Registry, name: str, tensors: list[Any], attrs: Mapping[str, Any]) -> Tensor:
+    op = registry.ops[name]
+    if op.ref is None:
+        raise EvalError(f"op {name!r} has no torch reference")
+    return canon(op.ref(*tensors, **dict(attrs)))
+
+
+# ---------------------------------------------------------------------------------------
+# Graphs
+
+
+def eval_graph(graph: Graph, registry: Registry, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every tensor of a single-device graph (user-level or core): name -> value."""
+    env: dict[str, Tensor] = {}
+    for i in graph.inputs:
+        if i.name not in inputs:
+            raise EvalError(f"no value for input {i.name!r}")
+        env[i.name] = canon(inputs[i.name], i.type.dtype)
+    for n in graph.nodes:
+        if registry.ops[n.op].kind == "collective":
+            raise EvalError(f"node {n.name!r}: a collective ({n.op}) needs eval_ranks")
+        env[n.name] = _eval_node(n, env, registry)
+    return env
+
+
+def _node_attrs(n: Any, env: Mapping[str, Tensor], registry: Registry) -> dict[str, Any]:
+    op = registry.ops[n.op]
+    ins = [TensorType(tuple(env[a].shape)) for a in n.tensor_args()]
+    return normalize_attrs(op, n.attrs, ins)
+
+
+def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
+    op = registry.ops[n.op]
+    args = [env[a] if isinstance(a, str) else a for a in n.args]
+    if op.kind == "identity":
+        return canon(args[0], n.type.dtype)
+    attrs = _node_attrs(n, env, registry)
+    try:
+        out = op.ref(*args, **attrs)  # type: ignore[misc]
+    except Exception as e:  # noqa: BLE001 - reported with the node
+        raise EvalError(f"node {n.name!r} ({n.op}): {e}") from e
+    return canon(out, n.type.dtype)
+
+
+def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
+               inputs: Mapping[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
+    """Every tensor of every rank, collectives simulated across ranks."""
+    env: dict[int, dict[str, Tensor]] = {}
+    for r, g in graphs.items():
+        env[r] = {}
+        for i in g.inputs:
+            if i.name not in inputs.get(r, {}):
+                raise EvalError(f"rank {r}: no value for input {i.name!r}")
+            env[r][i.name] = canon(inputs[r][i.name], i.type.dtype)
+    # the key of each collective: (group, k) or ("p2p", src, dst, j)
+    keys: dict[tuple[int, str], tuple] = {}
+    for r, g in graphs.items():
+        seen: dict[Any, int] = {}
+        for n in g.nodes:
+            if registry.ops[n.op].kind != "collective":
+                continue
+            if n.op in ("send", "recv"):
+                pair = (r, n.attrs["peer"]) if n.op == "send" else (n.attrs["peer"], r)
+                k = ("p2p", *pair)
+            else:
+                k = tuple(n.attrs["group"])
+            j = seen.get(k, 0)
+            seen[k] = j + 1
+            keys[(r, n.name)] = (k, j)
+    members: dict[tuple, dict[int, Any]] = {}
+    for (r, name), key in keys.items():
+        members.setdefault(key, {})[r] = graphs[r].index()[name]
+    pos = {r: 0 for r in graphs}
+    while any(pos[r] < len(g.nodes) for r, g in graphs.items()):
+        progress = False
+        for r, g in graphs.items():
+            while pos[r] < len(g.nodes):
+                n = g.nodes[pos[r]]
+                if registry.ops[n.op].kind != "collective":
+                    env[r][n.name] = _eval_node(n, env[r], registry)
+                elif not _collective(r, n, keys[(r, n.name)], members, env, graphs, registry):
+                    break
+                pos[r] += 1
+                progress = True
+        if not progress:
+            stuck = {r: graphs[r].nodes[p].name for r, p in pos.items() if p < len(graphs[r].nodes)}
+            raise EvalError(f"deadlock: ranks wait at {stuck}")
+    return env
+
+
+def _collective(r: int, n: Any, key: tuple, members: dict[tuple, dict[int, Any]], env: dict[int, dict[str, Tensor]],
+                graphs: Mapping[int, Graph], registry: Registry) -> bool:
+    """Evaluate rank r's collective node n if every partner's input is ready."""
+    (k, _j) = key
+    if n.op == "send":
+        env[r][n.name] = env[r][n.tensor_args()[0]]
+        return True
+    if n.op == "recv":
+        src = n.attrs["peer"]
+        send = members[key].get(src)  # the j-th send from src to r
+        if send is None or send.op != "send":
+            raise EvalError(f"rank {r}: {n.name!r} receives from rank {src}, which sends no matching tensor")
+        x = env[src].get(send.tensor_args()[0])
+        if x is None:
+            return False
+        env[r][n.name] = canon(x.clone(), n.type.dtype)
+        return True
+    group = list(k)
+    mem = members[key]
+    for q in group:
+        if q not in mem:
+            raise EvalError(f"collective {n.name!r} on rank {r}: no partner on rank {q}")
+    xs = []
+    for q in group:
+        x = env[q].get(mem[q].tensor_args()[0])
+        if x is None:
+            return False
+        xs.append(x)
+    attrs = _node_attrs(n, env[r], registry)
+    i = group.index(r)
+    env[r][n.name] = canon(simulate(n.op, xs, i, attrs), n.type.dtype)
+    return True
+
+
+def _reduce(xs: list[Tensor], op: str) -> Tensor:
+    if op == "max":
+        return torch.stack(xs).amax(0)
+    s = torch.stack(xs).sum(0)
+    return s / len(xs) if op == "avg" else s
+
+
+def simulate(op: str, xs: list[Tensor], i: int, attrs: Mapping[str, Any]) -> Tensor:
+    """Member i's output of a collective over the members' inputs xs (group order)."""
+    n = len(xs)
+    if op == "all_reduce":
+        return _reduce(xs, attrs.get("reduce_op") or "sum")
+    if op == "all_gather":
+        return torch.cat(xs, attrs["dim"])
+    if op == "reduce_scatter":
+        d = attrs["dim"]
+        c = xs[0].shape[d] // n
+        return _reduce(xs, attrs.get("reduce_op") or "sum").narrow(d, i * c, c)
+    if op == "all_to_all":
+        sd, cd = attrs["split_dim"], attrs["concat_dim"]
+        c = xs[0].shape[sd] // n
+        return torch.cat([x.narrow(sd, i * c, c) for x in xs], cd)
+    if op == "broadcast":
+        return xs[list(attrs["group"]).index(attrs["src"])].clone()
+    raise EvalError(f"unknown collective {op!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Terms
+
+
+def eval_term(t: Term, registry: Registry, leaves: Mapping[str, Tensor] | Callable[[str], Tensor],
+              cache: dict[Term, Tensor] | None = None) -> Tensor:
+    """A relation term's value; `leaves` gives each `D`/`Out` leaf's value by name."""
+    get = leaves if callable(leaves) else leaves.__getitem__
+    helpers = helper_semantics(registry)
+    hsorts = helper_sorts(registry)
+    memo: dict[Term, Tensor] = {} if cache is None else cache
+
+    def go(t: Term) -> Tensor:
+        if t in memo:
+            return memo[t]
+        if t.op in ("D", "Out"):
+            v = canon(get(t.attrs[0]))
+        elif t.op in helpers and t.op in hsorts:
+            args = helper_args(hsorts[t.op], [go(a) for a in t.args], t.attrs)
+            v = canon(helpers[t.op](*args))
+        else:
+            op = registry.ops.get(t.op)
+            if op is None:
+                raise EvalError(f"no meaning for {t.op!r}")
+            args = [go(a) for a in t.args]
+            attrs = {name: v for (name, _), v in zip(op.attrs, t.attrs, strict=False)}
+            v = apply_op(registry, t.op, args, attrs)
+        memo[t] = v
+        return v
+
+    return go(t)
+
+
+# ---------------------------------------------------------------------------------------
+# Random inputs consistent with the input relations
+
+
+def _random(typ: TensorType, gen: torch.Generator, bound: int) -> Tensor:
+    shape = tuple(typ.shape)
+    dt = torch_dtype(typ.dtype)
+    if dt == torch.bool:
+        return torch.rand(shape, generator=gen, dtype=torch.float64) < 0.5
+    if dt == torch.int64:
+        return torch.randint(0, max(bound, 1), shape, generator=gen, dtype=torch.int64)
+    return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+
+def int_bounds(seq: Graph, registry: Registry) -> dict[str, int]:
+    """For each sequential input read as embedding ids: the table's row count."""
+    core, _ = lower(seq, registry)
+    idx = core.index()
+    out: dict[str, int] = {}
+
+    def sources(ref: str) -> set[str]:
+        node = idx.get(ref)
+        if node is None or not hasattr(node, "op"):
+            return {ref}
+        if node.op in ("view", "slice", "transpose", "expand", "cat", "Sum"):  # type: ignore[union-attr]
+            s: set[str] = set()
+            for a in node.tensor_args():  # type: ignore[union-attr]
+                s |= sources(a)
+            return s
+        return set()
+
+    for n in core.nodes:
+        if n.op == "embedding":
+            w, ids = n.tensor_args()
+            rows = core.type_of(w).shape[0]
+            for s in sources(ids):
+                out[s] = min(out.get(s, rows), rows)
+    return out
+
+
+def split_placed(x: Tensor, placements: tuple[Placement, ...], mesh: Mesh, gen: torch.Generator) -> dict[int, Tensor]:
+    """Rank pieces of x: along each mesh axis in order, replicate, chunk (torch.chunk) or
+    split into random parts that reduce to it."""
+    out: dict[int, Tensor] = {}
+
+    def go(axis: int, coords: tuple[int, ...], piece: Tensor) -> None:
+        if axis == len(mesh.axes):
+            out[mesh.rank(coords)] = piece
+            return
+        n = mesh.axes[axis][1]
+        p = placements[axis]
+        if p.kind == "replicate":
+            parts = [piece.clone() for _ in range(n)]
+        elif p.kind == "shard":
+            parts = list(torch.chunk(piece, n, p.dim))
+            if len(parts) != n:
+                raise EvalError(f"cannot chunk a dim of size {piece.shape[p.dim]} into {n} pieces")
+        elif p.reduce == "max":
+            if piece.dtype == torch.bool:
+                raise EvalError("Partial(max) of a bool tensor")
+            noise = torch.rand((n, *piece.shape), generator=gen, dtype=torch.float64) + 0.5
+            keep = torch.randint(0, n, tuple(piece.shape), generator=gen)
+            parts = [torch.where(keep == c, piece, (piece - noise[c]).to(piece.dtype)) for c in range(n)]
+        else:
+            if piece.dtype == torch.int64:
+                rnd = [torch.randint(-3, 4, tuple(piece.shape), generator=gen) for _ in range(n - 1)]
+            else:
+                rnd = [torch.randn(tuple(piece.shape), generator=gen, dtype=torch.float64) for _ in range(n - 1)]
+            last = piece - sum(rnd, torch.zeros_like(piece))
+            parts = [*rnd, last]
+        for c, part in enumerate(parts):
+            go(axis + 1, coords + (c,), part)
+
+    go(0, (), x)
+    return out
+
+
+def _rank_leaf(name: str) -> tuple[str, int]:
+    base, _, r = name.rpartition("@")
+    return base, int(r)
+
+
+def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | None = None,
+                  int_bound: int | None = None) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
+    """Random sequential inputs and rank inputs that satisfy the dist's input relations.
+
+    Integer inputs read as embedding ids are drawn below the table's row count (or
+    `int_bound`, or 8)."""
+    registry = registry or load_registry()
+    gen = torch.Generator().manual_seed(seed)
+    bounds = int_bounds(seq, registry)
+
+    def bound_for(name: str) -> int:
+        b = bounds.get(name)
+        if b is None:
+            return int_bound if int_bound is not None else DEFAULT_INT_BOUND
+        return min(b, int_bound) if int_bound is not None else b
+
+    seq_vals: dict[str, Tensor] = {}
+    rank_vals: dict[int, dict[str, Tensor]] = {r: {} for r in dist.ranks}
+    rank_types = {r: {i.name: i.type for i in g.inputs} for r, g in dist.ranks.items()}
+    relations: list[Relation] = [r for r in dist.relations]
+    covered = {r.source for r in relations}
+    for inp in seq.inputs:
+        if inp.name not in covered:  # read as replicated, as refine.relate does
+            relations.append(Relation(inp.name, inp.name, tuple(Placement("replicate") for _ in dist.mesh.axes)))
+    seq_types = {i.name: i.type for i in seq.inputs}
+    # layouts first: their rank inputs are drawn freely and fix the sequential input
+    for rel in sorted(relations, key=lambda r: r.layout is None):
+        typ = seq_types[rel.source]
+        if rel.layout is not None:
+            def leaf_value(name: str, bound: int = bound_for(rel.source)) -> Tensor:
+                base, r = _rank_leaf(name)
+                if base not in rank_vals[r]:
+                    rank_vals[r][base] = _random(rank_types[r][base], gen, bound)
+                return rank_vals[r][base]
+            seq_vals[rel.source] = canon(eval_term(rel.layout, registry, leaf_value), typ.dtype)
+            continue
+        x = _random(typ, gen, bound_for(rel.source))
+        seq_vals[rel.source] = x
+        assert rel.placements is not None
+        local = rel.local or rel.source
+        for r, piece in split_placed(x, rel.placements, dist.mesh, gen).items():
+            want = rank_types[r].get(local)
+            if want is None:
+                raise EvalError(f"rank {r} has no input {local!r} for sequential input {rel.source!r}")
+            if tuple(piece.shape) != tuple(want.shape):
+                raise EvalError(f"rank {r}: the piece of {rel.source!r} has shape {list(piece.shape)}, "
+                                f"input {local!r} is declared {list(want.shape)}")
+            rank_vals[r][local] = canon(piece, want.dtype)
+    for r, types in rank_types.items():  # rank-only inputs
+        for name, typ in types.items():
+            if name not in rank_vals[r]:
+                rank_vals[r][name] = _random(typ, gen, int_bound if int_bound is not None else DEFAULT_INT_BOUND)
+    return seq_vals, rank_vals
+
+
+# ---------------------------------------------------------------------------------------
+# Differential test and relation audit
+
+
+@dataclass
+class OutputCheck:
+    output: str
+    ok: bool | None  # None: no expectation to compare with
+    error: float
+    detail: str = ""
+
+
+def expected_terms(dist: Dist, output: str, rank_outputs: set[str]) -> list[Term]:
+    """What the rank outputs must make for a sequential output: its explicit expectation,
+    or a rank output of the same name replicated."""
+    from refine.relate import placed_terms
+
+    for e in dist.expectations:
+        if e.output == output:
+            local = e.local or output
+            return placed_terms(lambda r, local=local: f"{local}@{r}", e.placements or (), dist.mesh)
+    if all(f"{output}@{r}" in rank_outputs for r in dist.ranks):
+        rep = tuple(Placement("replicate") for _ in dist.mesh.axes)
+        return placed_terms(lambda r: f"{output}@{r}", rep, dist.mesh)
+    return []
+
+
+def differential(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 0,
+                 int_bound: int | None = None) -> list[OutputCheck]:
+    """Run both sides on random consistent inputs; compare each sequential output with the
+    rank outputs its expectation names (every replica)."""
+    registry = registry or load_registry()
+    seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
+    seq_vals = eval_graph(seq, registry, seq_in)
+    rank_vals = eval_ranks(dist.ranks, registry, rank_in)
+    outs: dict[str, Tensor] = {}
+    for r, g in dist.ranks.items():
+        for o in g.outputs:
+            outs[f"{o.name}@{r}"] = rank_vals[r][o.ref]
+    results = []
+    for o in seq.outputs:
+        want = seq_vals[o.ref]
+        terms = expected_terms(dist, o.name, set(outs))
+        if not terms:
+            results.append(OutputCheck(o.name, None, math.nan, "no expectation"))
+            continue
+        errs = []
+        ok = True
+        for t in terms:
+            try:
+                got = eval_term(t, registry, outs)
+            except Exception:  # noqa: BLE001 - an ill-shaped placement is a mismatch
+                ok = False
+                errs.append(math.inf)
+                continue
+            errs.append(max_err(got, want))
+            ok = ok and close(got, want)
+        results.append(OutputCheck(o.name, ok, max(errs), "" if ok else f"max error {max(errs):.3g}"))
+    return results
+
+
+@dataclass
+class Mismatch:
+    tensor: str  # sequential core tensor
+    relation: str
+    error: float
+    detail: str = ""
+
+
+def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 0,
+          int_bound: int | None = None) -> list[Mismatch]:
+    """Infer every sequential core tensor's relation, then check each one numerically
+    against the sequential value on random consistent inputs."""
+    from refine.check import engine_for
+    from refine.prove import infer
+    from refine.relate import build_program, seq_input_relations
+
+    registry = registry or load_registry()
+    seq_core, _ = lower(seq, registry)
+    prog, cores = build_program(dist, registry, "dist")
+    inputs = seq_input_relations(dist, seq, prog, registry, "dist")
+    inf = infer(seq_core, inputs, prog, engine_for(registry), registry)
+    return audit_relations(seq, dist, inf.relations, prog, cores, registry, seed, int_bound)
+
+
+def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog: Any, cores: Mapping[int, Graph],
+                    registry: Registry, seed: int = 0, int_bound: int | None = None) -> list[Mismatch]:
+    seq_core, _ = lower(seq, registry)
+    seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
+    seq_vals = eval_graph(seq_core, registry, seq_in)
+    rank_vals = eval_ranks(cores, registry, rank_in)
+    flat = {tensor_name(r, k): v for r, vals in rank_vals.items() for k, v in vals.items()}
+
+    def leaf_value(name: str) -> Tensor:
+        if name in flat:
+            return flat[name]
+        if name in prog.outputs:  # an `Out` leaf
+            return flat[prog.outputs[name]]
+        raise EvalError(f"no rank tensor {name!r}")
+
+    out = []
+    cache: dict[Term, Tensor] = {}
+    for name, rel in relations.items():
+        want = seq_vals[name]
+        try:
+            got = eval_term(rel, registry, leaf_value, cache)
+        except Exception as e:  # noqa: BLE001 - an unevaluable relation is a mismatch
+            out.append(Mismatch(name, str(rel), math.inf, f"cannot evaluate: {e}"))
+            continue
+        if not close(got, want):
+            out.append(Mismatch(name, str(rel), max_err(got, want),
+                                f"shape {list(got.shape)} vs {list(want.shape)}"))
+    return out
