@@ -149,9 +149,13 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
              ["(union e (matmul (slice a d s f) b))"]),
         rule("slice-matmul-cols", ["(= e (slice (matmul a b) d s f))", "(= d (- (ndim a) 1))"],
              ["(union e (matmul a (slice b (- (ndim b) 1) s f)))"]),
+        # a batch dim is sliced on both sides; the row dim of a batched product only on a
         rule("slice-matmul-batched", ["(= e (slice (matmul a b) d s f))", "(> (ndim b) 2)",
-                                      "(< d (- (ndim a) 1))"],
+                                      "(< d (- (ndim a) 2))"],
              ["(union e (matmul (slice a d s f) (slice b d s f)))"]),
+        rule("slice-matmul-batched-rows", ["(= e (slice (matmul a b) d s f))", "(> (ndim b) 2)",
+                                           "(= d (- (ndim a) 2))"],
+             ["(union e (matmul (slice a d s f) b))"]),
     ]
 
 

@@ -1,0 +1,718 @@
+"""Numerical soundness check of every rewrite rule, one rule at a time.
+
+1. **Seeds.** `SeedGen` builds random, well-shaped terms over leaves `D("x0")`, ... from the
+   core op grammar, biased toward what rules match: every core op applied to random
+   arguments, with each tensor argument in turn replaced by a concat of two or three
+   pieces (uneven, size-1 pieces included), a slice, a transpose, a view, an expand, a
+   constant, a sum (of one, two or three terms), a scale or a max; each op result sliced;
+   and the helper constructors rule files declare (`ScaleBy`, `EmbRows`, ...) applied
+   directly. Shapes are small (1 to 4 per dim), so edge shapes come up often.
+2. **One rule at a time.** One egglog e-graph holds every declaration, the shape analysis
+   (ruleset `shapes`, as in `refine.prove.Engine`) and each rule in a ruleset of its own.
+   For each rule: push, insert the seeds whose ops cover the rule's query, run the rule a
+   few times (saturating the shape analysis in between), serialize the e-graph, pop.
+3. **Check.** Leaves get random float64 values (ids: int64 below the table size, masks:
+   bool, operands of log/sqrt/div: positive). Every e-node of the e-graph read back is
+   evaluated with the ops' torch references, its children taken by their e-class; every
+   e-node must equal (allclose, float64) the e-class's value, the shape analysis must agree
+   with the evaluated shape of its e-class, and prefix products (`pp`) must be right. Any
+   difference can only come from the one rule in the e-graph.
+4. **Coverage.** A rule that never changed its e-graph was not tested: it is reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any
+
+import torch
+from egglog import bindings
+
+from refine.evaluate import close, eval_term, helper_sorts, max_err
+from refine.expr import Term, lit, parse_sexp
+from refine.ir import TensorType
+from refine.opset import Registry, Rule, load_registry
+
+ITERATIONS = 3
+SHAPES_ALWAYS = ("prefix-product",)  # analysis rules the engine runs in the shapes ruleset
+
+# ---------------------------------------------------------------------------------------
+# Seeds
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    shape: tuple[int, ...]
+    kind: str  # f: any float, p: positive float, b: bool, i: int ids below `bound`
+    bound: int = 0
+
+
+@dataclass
+class SeedGen:
+    registry: Registry
+    seed: int = 0
+    instances: int = 3  # random instances of each op
+    leaves: dict[str, LeafSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.core = {n: op for n, op in self.registry.ops.items() if op.core}
+
+    # -- leaves and shapes
+
+    def leaf(self, shape: Iterable[int], kind: str = "f", bound: int = 0) -> Term:
+        name = f"x{len(self.leaves)}"
+        self.leaves[name] = LeafSpec(tuple(shape), kind, bound)
+        return Term("D", (), (name,))
+
+    def shape(self, t: Term) -> tuple[int, ...]:
+        return self.type(t).shape
+
+    def type(self, t: Term) -> TensorType:
+        if t.op == "D":
+            return TensorType(self.leaves[t.attrs[0]].shape)
+        op = self.registry.ops[t.op]
+        attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
+        return op.shape([self.type(a) for a in t.args], attrs)
+
+    def kind(self, t: Term) -> str:
+        if t.op == "D":
+            return self.leaves[t.attrs[0]].kind
+        return "f"
+
+    def dims(self, n: int | None = None, lo: int = 1) -> tuple[int, ...]:
+        n = self.rng.choice([1, 2, 2, 3, 3]) if n is None else n
+        return tuple(self.rng.choice([1, 2, 3, 3, 4, 4]) if i >= lo - 1 else 2 for i in range(n))
+
+    # -- tensors of a given shape and kind, in many forms
+
+    def like(self, shape: tuple[int, ...], kind: str, form: str, bound: int = 0, dim: int | None = None) -> Term | None:
+        """A term of this shape and kind built as `form` (None if the form does not fit)."""
+        r = self.rng
+        nd = len(shape)
+        structural = kind in ("b", "i")
+        if form == "leaf":
+            return self.leaf(shape, kind, bound)
+        if form in ("cat", "cat3"):
+            ds = [d for d in range(nd) if shape[d] >= (3 if form == "cat3" else 2)]
+            if dim is not None:
+                ds = [d for d in ds if d == dim]
+            if not ds:
+                return None
+            d = r.choice(ds)
+            n = shape[d]
+            cuts = sorted(r.sample(range(1, n), 2 if form == "cat3" else 1))
+            sizes = [b - a for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+            parts = [self.leaf(shape[:d] + (s,) + shape[d + 1:], kind, bound) for s in sizes]
+            out = parts[-1]
+            for p in reversed(parts[:-1]):
+                out = Term("cat", (p, out), (d,))
+            return out
+        if form == "slice":
+            if nd == 0:
+                return None
+            d = r.randrange(nd)
+            extra = r.choice([0, 1, 2])
+            s = r.randint(0, extra)
+            big = shape[:d] + (shape[d] + extra,) + shape[d + 1:]
+            return Term("slice", (self.leaf(big, kind, bound),), (d, s, s + shape[d]))
+        if form == "transpose":
+            if nd < 2:
+                return None
+            i, j = r.sample(range(nd), 2)
+            src = list(shape)
+            src[i], src[j] = src[j], src[i]
+            return Term("transpose", (self.leaf(src, kind, bound),), (i, j))
+        if form == "view":
+            if nd == 0:
+                return None
+            return Term("view", (self.leaf(self.refactor(shape), kind, bound),), (shape,))
+        if form == "expand":
+            if nd == 0:
+                return None
+            keep = r.randint(0, nd)  # dims of x: the last `keep` dims
+            src = tuple(1 if r.random() < 0.5 else s for s in shape[nd - keep:])
+            return Term("expand", (self.leaf(src, kind, bound),), (shape,))
+        if structural:
+            return None
+        if form == "full":
+            return Term("full", (), (r.choice([0.5, 1.0, 2.0]) if kind == "p" else r.choice([0.0, -1.5, 2.0]), shape))
+        if form in ("sum", "sum1", "sum3"):
+            n = {"sum": 2, "sum1": 1, "sum3": 3}[form]
+            return Term("Sum", tuple(self.leaf(shape, kind) for _ in range(n)))
+        if form in ("max", "max1"):
+            return Term("Max", tuple(self.leaf(shape, kind) for _ in range(2 if form == "max" else 1)))
+        if form == "scale":
+            f = r.choice([Fraction(1), Fraction(2), Fraction(1, 3), Fraction(3, 2)] +
+                         ([] if kind == "p" else [Fraction(-1, 2)]))
+            return Term("Scale", (self.leaf(shape, kind),), (f,))
+        raise ValueError(form)
+
+    def refactor(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Another shape with the same number of elements: merge, split or flatten."""
+        r = self.rng
+        n = math.prod(shape)
+        choice = r.choice(["merge", "split", "flat", "same"])
+        if choice == "merge" and len(shape) >= 2:
+            i = r.randrange(len(shape) - 1)
+            return shape[:i] + (shape[i] * shape[i + 1],) + shape[i + 2:]
+        if choice == "split":
+            i = r.randrange(len(shape))
+            fs = [f for f in range(1, shape[i] + 1) if shape[i] % f == 0]
+            f = r.choice(fs)
+            return shape[:i] + (f, shape[i] // f) + shape[i + 1:]
+        if choice == "flat":
+            return (n,)
+        return shape
+
+    # -- op instances
+
+    def instance(self, name: str) -> tuple[list[tuple[tuple[int, ...], str, int]], tuple[Any, ...]] | None:
+        """Argument specs (shape, kind, bound) and attributes of a random application."""
+        r = self.rng
+        op = self.core[name]
+        x = self.dims()
+        unary_pos = {"log_t", "sqrt_t", "rsqrt_t", "reciprocal_t"}
+        if op.kind == "unary":
+            if name == "Scale":
+                return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
+            kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"
+            attrs = (r.choice(["none", "tanh"]),) if name == "gelu_t" else ()
+            return [(x, kind, 0)], attrs
+        if op.kind == "elementwise":
+            if name in ("logical_or_t", "logical_and_t"):
+                return [(x, "b", 0), (x, "b", 0)], ()
+            if name == "masked_fill_t":
+                return [(x, "f", 0), (x, "b", 0)], (r.choice([0.0, -1.5]),)
+            if name == "where_t":
+                return [(x, "b", 0), (x, "f", 0), (x, "f", 0)], ()
+            if name == "pow_t":
+                return [(x, "p", 0), (x, "f", 0)], ()
+            if name == "div_t":
+                return [(x, "f", 0), (x, "p", 0)], ()
+            return [(x, "f", 0), (x, "f", 0)], ()
+        if name == "embedding":
+            v, h = r.choice([2, 3, 4, 5]), r.choice([1, 2, 3])
+            return [((v, h), "f", 0), (self.dims(r.choice([1, 2])), "i", v)], ()
+        if name == "matmul":
+            m, k, n = self.dims(3)
+            batch = self.dims(r.choice([0, 1, 1, 2]))
+            b = batch + (k, n) if batch and r.random() < 0.5 else (k, n)
+            return [(batch + (m, k), "f", 0), (b, "f", 0)], ()
+        if name in ("softmax", "log_softmax", "rsum", "rmax"):
+            return [(x, "f", 0)], (r.randrange(len(x)),)
+        if name in ("layer_norm_c", "rms_norm_c"):
+            k = r.choice([1, 1, len(x)])
+            w = x[len(x) - k:]
+            args = [(x, "f", 0), (w, "f", 0)] + ([(w, "f", 0)] if name == "layer_norm_c" else [])
+            return args, (k, 1e-5)
+        if name == "cat":
+            d = r.randrange(len(x))
+            y = x[:d] + (r.choice([1, 2, 3]),) + x[d + 1:]
+            return [(x, "f", 0), (y, "f", 0)], (d,)
+        if name == "slice":
+            d = r.randrange(len(x))
+            s = r.randint(0, x[d] - 1)
+            e = x[d] if r.random() < 0.3 else r.randint(s + 1, x[d])
+            s = 0 if r.random() < 0.2 else s
+            return [(x, "f", 0)], (d, s, e)
+        if name == "view":
+            return [(x, "f", 0)], (self.refactor(x),)
+        if name == "transpose":
+            if len(x) < 2:
+                x = self.dims(2)
+            i, j = r.choice([(a, b) for a in range(len(x)) for b in range(len(x))])
+            return [(x, "f", 0)], (i, j)
+        if name == "expand":
+            src = tuple(1 if r.random() < 0.5 else s for s in x)
+            new = self.dims(r.choice([0, 1]))
+            return [(src, "f", 0)], (new + tuple(s if s != 1 else r.choice([1, 2, 3]) for s in src),)
+        if name == "full":
+            return [], (r.choice([0.0, 1.5]), x)
+        if name in ("Sum", "Max"):
+            return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
+        return None
+
+    def build(self, name: str, args: list[Term], attrs: tuple[Any, ...]) -> Term:
+        return Term(name, tuple(args), attrs)
+
+    # -- the seed set
+
+    EXTRA = {"matmul": 4, "embedding": 2, "softmax": 2, "log_softmax": 2, "rmax": 2, "rsum": 2,
+             "layer_norm_c": 3, "rms_norm_c": 3}
+    FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
+
+    def seeds(self) -> list[Term]:
+        """The special seeds first, then the generic ones."""
+        self.special_terms = self.special()
+        out: list[Term] = []
+        for name in sorted(self.core):
+            for _ in range(self.instances * self.EXTRA.get(name, 1)):
+                inst = self.instance(name)
+                if inst is None:
+                    continue
+                specs, attrs = inst
+                base = [self.leaf(s, k, b) for s, k, b in specs]
+                t0 = self.build(name, base, attrs)
+                out.append(t0)
+                out.extend(self.sliced(t0))
+                for i, (shape, kind, bound) in enumerate(specs):
+                    for form in self.FORMS:
+                        dim = None
+                        if name == "embedding" and i == 0 and form.startswith("cat"):
+                            dim = 0  # the table by rows
+                        elif name == "cat" and form.startswith("cat") and self.rng.random() < 0.5:
+                            dim = attrs[0]
+                        arg = self.like(shape, kind, form, bound, dim)
+                        if arg is None:
+                            continue
+                        args = list(base)
+                        args[i] = arg
+                        t = self.build(name, args, attrs)
+                        out.append(t)
+                        if self.rng.random() < 0.3:
+                            out.extend(self.sliced(t))
+        self.n_special = len(self.special_terms)
+        return [canonical(t) for t in self.special_terms + out]
+
+    def sliced(self, t: Term) -> list[Term]:
+        shape = self.shape(t)
+        if not shape:
+            return []
+        d = self.rng.randrange(len(shape))
+        n = shape[d]
+        s = self.rng.randint(0, n - 1)
+        e = self.rng.randint(s + 1, n)
+        return [Term("slice", (t,), (d, s, e))]
+
+    def special(self) -> list[Term]:
+        """Shapes the generic forms rarely make, and the helper constructors."""
+        r = self.rng
+        out: list[Term] = []
+        for _ in range(self.instances):
+            # adjacent slices of one tensor, and one concat of them
+            x = self.leaf(self.dims(2, lo=1) if r.random() < 0.5 else (4, 3))
+            sh = self.shape(x)
+            d = r.randrange(len(sh))
+            if sh[d] >= 2:
+                m = r.randint(1, sh[d] - 1)
+                p, q = Term("slice", (x,), (d, 0, m)), Term("slice", (x,), (d, m, sh[d]))
+                out += [Term("cat", (p, q), (d,))]
+            # views that keep or break a concat: head splits and merges
+            a, b = r.choice([(2, 4), (4, 2), (3, 3), (1, 5), (2, 2)])
+            h = r.choice([1, 2, 3])
+            for d, shp in ((0, (a + b, h)), (1, (h, a + b))):
+                c = Term("cat", (self.leaf(shp[:d] + (a,) + shp[d + 1:]), self.leaf(shp[:d] + (b,) + shp[d + 1:])), (d,))
+                n = a + b
+                fs = [f for f in range(1, n + 1) if n % f == 0]
+                f = r.choice(fs)
+                split = shp[:d] + (f, n // f) + shp[d + 1:]
+                out += [Term("view", (c,), (split,)), Term("view", (c,), ((math.prod(shp),),))]
+                merged = Term("cat", (self.leaf((h, a, 2)), self.leaf((h, b, 2))), (1,))
+                out += [Term("view", (merged,), ((h, (a + b) * 2),)), Term("view", (merged,), ((h * (a + b), 2),))]
+            # transposes of transposes with the same dims
+            y = self.leaf(self.dims(3))
+            i, j = r.sample(range(3), 2)
+            out.append(Term("transpose", (Term("transpose", (y,), (i, j)),), (i, j)))
+            # slices of slices on one dim, slices of a concat straddling it
+            z = self.leaf((5, r.choice([1, 3])))
+            out.append(Term("slice", (Term("slice", (z,), (0, 1, 5)),), (0, 1, 3)))
+            c3 = Term("cat", (self.leaf((2, 2)), Term("cat", (self.leaf((1, 2)), self.leaf((3, 2))), (0,))), (0,))
+            s = r.randint(0, 4)
+            out.append(Term("slice", (c3,), (0, s, r.randint(s + 1, 6))))
+            out.append(Term("cat", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)), self.leaf((3, 2))), (0,)))
+            # a concat under a transpose of two other dims; a slice of broadcast dims
+            a3, b3 = self.leaf((2, 1, 3)), self.leaf((2, 2, 3))
+            for ij in ((0, 2), (0, 1), (1, 2)):  # other dims; the concat dim second; first
+                out.append(Term("transpose", (Term("cat", (a3, b3), (1,)),), ij))
+            e = Term("expand", (self.leaf((1, 3)),), ((2, 4, 3),))
+            out += [Term("slice", (e,), (0, 1, 2)), Term("slice", (e,), (1, 1, 3)), Term("slice", (e,), (2, 0, 2))]
+            # batched products with a concat or a slice on each dim
+            ab, bb = self.leaf((2, 3, 2)), self.leaf((2, 2, 4))
+            for d in range(3):
+                out.append(Term("slice", (Term("matmul", (ab, bb)),), (d, 1, 2)))
+            out.append(Term("matmul", (Term("cat", (self.leaf((1, 3, 2)), self.leaf((1, 3, 2))), (0,)), bb)))
+            out.append(Term("matmul", (ab, Term("cat", (self.leaf((1, 2, 4)), self.leaf((1, 2, 4))), (0,)))))
+            out.append(Term("matmul", (Term("cat", (self.leaf((2, 1, 2)), self.leaf((2, 2, 2))), (1,)), bb)))
+            # norms over a concat of rows
+            for op, n_params in (("layer_norm_c", 2), ("rms_norm_c", 1)):
+                c = Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,))
+                params = tuple(self.leaf((3,)) for _ in range(n_params))
+                out.append(Term(op, (c, *params), (1, 1e-5)))
+                out.append(Term("slice", (Term(op, (self.leaf((3, 3)), *params), (1, 1e-5)),), (0, 1, 3)))
+            # helper constructors, applied directly
+            v = r.choice([2, 3, 5])
+            w = self.leaf((v, 2))
+            ids = self.leaf(self.dims(r.choice([1, 2])), "i", v + 3)
+            out.append(Term("EmbRows", (w, ids), (r.choice([0, 1, 2, 3]),)))
+            out.append(Term("EmbRows", (Term("cat", (self.leaf((1, 2)), self.leaf((v, 2))), (0,)), ids), (r.choice([0, 1]),)))
+            t = self.leaf((2, 3))
+            out += [
+                Term("ScaleBy", (t,), (Fraction(-3, 2),)),
+                Term("SliceBy", (t,), (1, 1, 3)),
+                Term("ViewAs", (t,), ((3, 2),)),
+                Term("TransposeBy", (t,), (0, 1)),
+                Term("MulBy", (self.leaf((2, 3)), t)),
+                Term("DivBy", (self.leaf((2, 3), "p"), t)),
+                Term("MatmulBy", (self.leaf((3, 4)), t)),
+                Term("RsumBy", (t,), (r.randrange(2),)),
+                Term("RmaxBy", (t,), (r.randrange(2),)),
+            ]
+        return out
+
+
+def canonical(t: Term) -> Term:
+    """Sum and Max are multisets: a fixed order of their terms."""
+    args = tuple(canonical(a) for a in t.args)
+    if t.op in ("Sum", "Max"):
+        args = tuple(sorted(args, key=str))
+    return replace(t, args=args)
+
+
+def leaf_values(leaves: dict[str, LeafSpec], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, spec in leaves.items():
+        if spec.kind == "b":
+            out[name] = torch.rand(spec.shape, generator=g, dtype=torch.float64) < 0.5
+        elif spec.kind == "i":
+            out[name] = torch.randint(0, spec.bound, spec.shape, generator=g)
+        elif spec.kind == "p":
+            out[name] = torch.rand(spec.shape, generator=g, dtype=torch.float64) + 0.5
+        else:
+            out[name] = torch.randn(spec.shape, generator=g, dtype=torch.float64)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The e-graph: every declaration, each rule in its own ruleset
+
+
+def _in_ruleset(text: str, ruleset: str) -> str:
+    assert text.rstrip().endswith(")")
+    text = text.rstrip()
+    return text[:-1] + f" :ruleset {ruleset})"
+
+
+def ruleset_name(i: int) -> str:
+    return f"rule_{i}"
+
+
+def query_heads(rule: Rule, names: set[str]) -> set[str]:
+    """The constructors a rule's query (or rewrite's left side) mentions."""
+    sexp = parse_sexp(rule.text)
+    query = sexp[1]
+    out: set[str] = set()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, list) and x:
+            if isinstance(x[0], str) and x[0] in names:
+                out.add(x[0])
+            for y in x:
+                walk(y)
+
+    walk(query)
+    return out
+
+
+@dataclass
+class RuleResult:
+    rule: str
+    fired: bool
+    seeds: int
+    nodes: int
+    checked: int
+    failures: list[str]
+    seconds: float
+
+
+@dataclass
+class Harness:
+    registry: Registry
+    seed: int = 0
+    instances: int = 3
+    iterations: int = ITERATIONS
+    max_seeds: int = 150
+
+    def __post_init__(self) -> None:
+        from refine.prove import Engine
+
+        reg = self.registry
+        bare = replace(reg, rules=[], ops=dict(reg.ops), decls=list(reg.decls), families=list(reg.families))
+        engine = Engine(bare)
+        self.engine_sorts = engine.sorts
+        decls = engine.declarations()  # declarations and shape rules, no rewrite rules
+        self.hsorts = helper_sorts(reg)
+        self.sorts: dict[str, tuple[str, ...]] = dict(self.engine_sorts)
+        for h, ss in self.hsorts.items():
+            self.sorts[h] = tuple(s for s in ss if s != "T")
+        lines = [decls]
+        self.checked_rules: list[tuple[int, Rule]] = []
+        self.always: list[Rule] = []
+        for i, r in enumerate(reg.rules):
+            if r.name.startswith(SHAPES_ALWAYS):
+                lines.append(_in_ruleset(r.text, "shapes"))
+                self.always.append(r)
+            else:
+                lines.append(f"(ruleset {ruleset_name(i)})")
+                lines.append(_in_ruleset(r.text, ruleset_name(i)))
+                self.checked_rules.append((i, r))
+        self.eg = bindings.EGraph()
+        self._run("\n".join(lines))
+        gen = SeedGen(reg, self.seed, self.instances)
+        self.seed_terms = gen.seeds()
+        self.gen = gen
+        self.values = leaf_values(gen.leaves, self.seed)
+        self.cache: dict[Term, torch.Tensor] = {}
+        names = set(self.sorts) | {"D"}
+        self.heads = {r.name: query_heads(r, names) for _, r in self.checked_rules}
+        self.t_ops = names
+        self.pp_checked = 0
+
+    def _run(self, program: str) -> list:
+        return self.eg.run_program(*self.eg.parse_program(program))
+
+    # -- emitting seeds
+
+    def _emit(self, seeds: list[Term]) -> str:
+        """Each seed subterm once, inline (egglog's `let` globals scale badly), with its
+        shape, as the engine types the sequential term."""
+        lines: list[str] = []
+        text: dict[Term, str] = {}
+
+        def go(t: Term) -> str:
+            if t in text:
+                return text[t]
+            if t.op == "D":
+                s = f'(D "{t.attrs[0]}")'
+            else:
+                args = [go(a) for a in t.args]
+                if t.op in ("Sum", "Max"):
+                    s = f"({t.op} (multiset-of {' '.join(args)}))"
+                elif t.op in self.hsorts:
+                    ts, rest = iter(args), iter(t.attrs)
+                    parts = [next(ts) if so == "T" else lit(next(rest), so) for so in self.hsorts[t.op]]
+                    s = f"({t.op} {' '.join(parts)})"
+                else:
+                    attrs = [lit(a, so) for a, so in zip(t.attrs, self.sorts[t.op], strict=True)]
+                    s = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
+            text[t] = s
+            if t.op in self.hsorts:
+                lines.append(f"(union {s} {s})")
+            else:
+                lines.append(f"(set (shape {s}) {lit(self.gen.shape(t), 'IV')})")
+            return s
+
+        for seed in seeds:
+            go(seed)
+        return "\n".join(lines)
+
+    # -- one rule
+
+    def seeds_for(self, rule: Rule) -> list[Term]:
+        """The seeds holding every constructor the rule's query names (at most
+        `max_seeds`, a fixed random choice)."""
+        heads = self.heads[rule.name]
+        special = [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
+        fit = [s for s in self.seed_terms[self.gen.n_special:] if heads <= s.ops()]
+        room = max(self.max_seeds - len(special), 0)
+        if len(fit) > room:
+            fit = random.Random(f"{self.seed}:{rule.name}").sample(fit, room)
+        return special + fit
+
+    def check_rule(self, index: int, rule: Rule) -> RuleResult:
+        t0 = time.perf_counter()
+        seeds = self.seeds_for(rule)
+        self._run("(push)")
+        try:
+            self._run(self._emit(seeds))
+            self._run("(run-schedule (saturate (run shapes)))")
+            before = _counts(self._serialize())
+            self._run(f"(run-schedule (repeat {self.iterations} (saturate (run shapes)) (run {ruleset_name(index)})) "
+                      "(saturate (run shapes)))")
+            graph = self._serialize()
+        finally:
+            self._run("(pop)")
+        after = _counts(graph)
+        fired = after != before
+        checked, failures = self.check_graph(graph)
+        return RuleResult(rule.name, fired, len(seeds), after[0], checked, failures, time.perf_counter() - t0)
+
+    def _serialize(self) -> dict[str, Any]:
+        s = self.eg.serialize([])
+        if s.truncated_functions or s.discarded_functions:
+            raise RuntimeError(f"serialization dropped functions: {s.truncated_functions} {s.discarded_functions}")
+        return json.loads(s.to_json())
+
+    # -- reading an e-graph back and evaluating it
+
+    def check_graph(self, graph: dict[str, Any]) -> tuple[int, list[str]]:
+        nodes = graph["nodes"]
+        ctype = {c: d["type"] for c, d in graph["class_data"].items()}
+        prim: dict[str, str] = {}  # class -> a primitive node in it
+        for nid, n in nodes.items():
+            if nid.startswith("primitive-"):
+                prim.setdefault(n["eclass"], nid)
+
+        def value(nid: str) -> Any:
+            n = nodes[nid]
+            sort = ctype[n["eclass"]]
+            if not nid.startswith("primitive-"):
+                nid = prim[n["eclass"]]
+                n = nodes[nid]
+            return _decode(n, sort, nodes, value)
+
+        t_nodes = {nid: n for nid, n in nodes.items() if ctype[n["eclass"]] == "T" and n["op"] in self.t_ops}
+        unknown = sorted({n["op"] for n in nodes.values() if ctype[n["eclass"]] == "T" and n["op"] not in self.t_ops
+                          and n["op"] not in ("Out", "Mark")})
+        failures = [f"no meaning known for constructor {u!r}" for u in unknown]
+        cls_term: dict[str, Term] = {}
+        node_term: dict[str, Term] = {}
+        pending = dict(t_nodes)
+        while pending:
+            progress = False
+            for nid, n in list(pending.items()):
+                t = self._node_term(n, nodes, cls_term, value)
+                if t is None:
+                    continue
+                node_term[nid] = t
+                cls_term.setdefault(n["eclass"], t)
+                del pending[nid]
+                progress = True
+            if not progress:
+                break
+        checked = 0
+        for nid, t in node_term.items():
+            ref = cls_term[nodes[nid]["eclass"]]
+            a = self._eval(t)
+            b = self._eval(ref)
+            checked += 1
+            if isinstance(a, str) or isinstance(b, str):
+                bad = t if isinstance(a, str) else ref
+                other = ref if bad is t else t
+                how = "the rule created it" if other == bad else f"it was merged with {other}"
+                failures.append(f"{bad} cannot be evaluated ({a if isinstance(a, str) else b}); {how}; "
+                                f"{self.where(t, ref)}")
+            elif not close(a, b):
+                failures.append(f"{t}  !=  {ref}   (shapes {list(a.shape)} vs {list(b.shape)}, "
+                                f"max error {max_err(a, b):.3g}); {self.where(t, ref)}")
+        failures.sort(key=lambda f: "the rule created it" in f)  # merges first: they say what went wrong
+        # the shape analysis and prefix products
+        for n in nodes.values():
+            if n["op"] == "shape" and len(n["children"]) == 1:
+                c = nodes[n["children"][0]]["eclass"]
+                if c in cls_term:
+                    v = self._eval(cls_term[c])
+                    want = tuple(value(prim[n["eclass"]]))
+                    if not isinstance(v, str) and tuple(v.shape) != want:
+                        failures.append(f"shape analysis says {list(want)} for {cls_term[c]}, "
+                                        f"which has shape {list(v.shape)}")
+            if n["op"] == "pp":
+                self.pp_checked += 1
+                sv, i = value(n["children"][0]), value(n["children"][1])
+                got = value(prim[n["eclass"]])
+                if i > len(sv) or got != math.prod(sv[:i]):
+                    failures.append(f"(pp {list(sv)} {i}) = {got}, expected {math.prod(sv[:i]) if i <= len(sv) else 'none'}")
+        return checked, failures
+
+    def where(self, *terms: Term) -> str:
+        leaves: set[str] = set()
+        for t in terms:
+            leaves |= t.leaves()
+        return "where " + ", ".join(f"{x}: {list(self.gen.leaves[x].shape)}" for x in sorted(leaves, key=_natural))
+
+    def _node_term(self, n: dict[str, Any], nodes: dict[str, Any], cls_term: dict[str, Term], value: Any) -> Term | None:
+        op = n["op"]
+        kids = n["children"]
+        if op == "D":
+            return Term("D", (), (value(kids[0]),))
+        if op in ("Sum", "Max"):
+            ms = nodes[kids[0]]
+            if not kids[0].startswith("primitive-"):
+                return None
+            items = []
+            for k in ms["children"]:
+                c = nodes[k]["eclass"]
+                if c not in cls_term:
+                    return None
+                items.append(cls_term[c])
+            return Term(op, tuple(items))
+        sorts = self.hsorts.get(op) or (("T",) * self.registry.ops[op].inputs + self.engine_sorts[op])
+        args, attrs = [], []
+        for k, s in zip(kids, sorts, strict=True):
+            if s == "T":
+                c = nodes[k]["eclass"]
+                if c not in cls_term:
+                    return None
+                args.append(cls_term[c])
+            else:
+                attrs.append(_freeze(value(k)))
+        return Term(op, tuple(args), tuple(attrs))
+
+    def _eval(self, t: Term) -> torch.Tensor | str:
+        try:
+            return eval_term(t, self.registry, self.values, self.cache)
+        except Exception as e:  # noqa: BLE001 - an ill-shaped term is a finding
+            return f"{type(e).__name__}: {str(e)[:200]}"
+
+    def run(self, only: Iterable[str] | None = None) -> list[RuleResult]:
+        """Check each rule; the analysis rules that always run (prefix products) are
+        reported as exercised when their table was checked in some e-graph."""
+        keep = set(only) if only is not None else None
+        out = [self.check_rule(i, r) for i, r in self.checked_rules if keep is None or r.name in keep]
+        for r in self.always:
+            if keep is None or r.name in keep:
+                out.append(RuleResult(r.name, self.pp_checked > 0, 0, 0, self.pp_checked, [], 0.0))
+        return out
+
+
+def _natural(name: str) -> tuple[str, int]:
+    head = name.rstrip("0123456789")
+    return head, int(name[len(head):] or 0)
+
+
+def _freeze(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _counts(graph: dict[str, Any]) -> tuple[int, int]:
+    ctype = {c: d["type"] for c, d in graph["class_data"].items()}
+    t = [n for n in graph["nodes"].values() if ctype[n["eclass"]] == "T"]
+    return len(t), len({n["eclass"] for n in t})
+
+
+_RATIO = re.compile(r"Ratio \{ numer: (-?\d+), denom: (\d+) \}")
+
+
+def _decode(n: dict[str, Any], sort: str, nodes: dict[str, Any], value: Any) -> Any:
+    op = n["op"]
+    if sort == "i64":
+        return int(op)
+    if sort == "f64":
+        return float(op)
+    if sort == "String":
+        return json.loads(op) if op.startswith('"') else op
+    if sort == "bool":
+        return op == "true"
+    if sort == "BigRat":
+        m = _RATIO.fullmatch(op)
+        if m:
+            return Fraction(int(m.group(1)), int(m.group(2)))
+        return Fraction(op)
+    if sort == "IV":
+        return [value(k) for k in n["children"]]
+    raise ValueError(f"cannot decode a {sort} value {op!r}")
+
+
+def check_all(registry: Registry | None = None, seed: int = 0, instances: int = 3,
+              only: Iterable[str] | None = None) -> tuple[Harness, list[RuleResult]]:
+    h = Harness(registry or load_registry(), seed, instances)
+    return h, h.run(only)
+
