@@ -117,9 +117,10 @@ def lit(a: Any, sort: str) -> str:
         return f"(vec-of {' '.join(str(int(x)) for x in a)})" if a else "(vec-empty)"
     if sort == "f64":
         v = float(a)
-        if v != v or v in (float("inf"), float("-inf")):
-            # egglog has no literal for these; a stable stand-in keeps terms comparable
-            return {"inf": "1e308", "-inf": "-1e308"}.get(str(v), "1.7e308")
+        if v != v:
+            return "NaN"
+        if v in (float("inf"), float("-inf")):
+            return "inf" if v > 0 else "-inf"  # egglog reads these literally
         text = repr(v)
         return text if ("." in text or "e" in text) else text + ".0"
     if sort == "BigRat":
