@@ -83,7 +83,7 @@ class Engine:
             raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
-             checks: Iterable[Term] = (), seq_type_hint: object = None) -> StepResult:
+             checks: Iterable[Term] = ()) -> StepResult:
         """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
         and whether each of `checks` was proven equal to it."""
@@ -170,19 +170,9 @@ class _Emitter:
         self.names[t] = name
         self.lines.append(f"(let {name} {text})")
         if typed:
-            shape = term_type(_outs_as_tensors(t, self.prog), self.prog, self.registry).shape
+            shape = term_type(t, self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV')})")
         return name
-
-
-def _outs_as_tensors(t: Term, prog: DistProgram) -> Term:
-    """`t` with each rank output leaf `Out(name@r)` read as the rank tensor it names, for
-    typing (an extracted relation may nest rank outputs, e.g. a concat of them)."""
-    if t.op == "Out":
-        return Term("D", (), (prog.outputs[t.attrs[0]],))
-    if t.op == "D":
-        return t
-    return Term(t.op, tuple(_outs_as_tensors(a, prog) for a in t.args), t.attrs)
 
 
 # ---------------------------------------------------------------------------------------

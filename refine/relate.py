@@ -236,8 +236,10 @@ def _join(prog: DistProgram, a: Term, b: Term) -> None:
 
 
 def term_type(t: Term, prog: DistProgram, registry: Registry) -> TensorType:
-    if t.op in ("D", "Out"):
+    if t.op == "D":
         return prog.types[t.attrs[0]]
+    if t.op == "Out":  # a rank output, named "output@rank": the type of the tensor it names
+        return prog.types[prog.outputs[t.attrs[0]]]
     ins = [term_type(a, prog, registry) for a in t.args]
     op = registry.ops[t.op]
     attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
