@@ -110,11 +110,14 @@ def to_egglog(t: Term, sorts: dict[str, tuple[str, ...]]) -> str:
     return f"({t.op} {' '.join(parts)})" if parts else f"({t.op})"
 
 
-def lit(a: Any, sort: str) -> str:
+def lit(a: Any, sort: str, py: bool = False) -> str:
+    """An attribute as egglog text; `py` when sizes are PyObjects (symbolic shapes)."""
     if sort == "i64":
         return str(int(a))
+    if sort == "Dim":
+        return _dim_lit(a, py)
     if sort == "IV":
-        return f"(vec-of {' '.join(str(int(x)) for x in a)})" if a else "(vec-empty)"
+        return f"(vec-of {' '.join(_dim_lit(x, py) for x in a)})" if a else "(vec-empty)"
     if sort == "f64":
         v = float(a)
         if v != v:
@@ -131,6 +134,26 @@ def lit(a: Any, sort: str) -> str:
     if sort == "String":
         return '"' + str(a).replace("\\", "\\\\").replace('"', '\\"') + '"'
     raise ValueError(f"unknown sort {sort}")
+
+
+def _dim_lit(d: Any, py: bool) -> str:
+    if not py:
+        if not isinstance(d, int):
+            raise ValueError(f"symbolic size {d} in a concrete e-graph")
+        return str(d)
+    if isinstance(d, int):
+        return f"(py-from-int {d})"
+    from refine import dims
+
+    return f'(py-object "{dims.dumps(d)}")'
+
+
+def _read_dim(x: Any) -> Any:
+    if isinstance(x, list):  # (py-object "base64 pickle"), made by our own engine
+        from refine import dims
+
+        return dims.loads(_unquote(x[1]))
+    return int(x)
 
 
 _TOKEN = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
@@ -180,8 +203,10 @@ def _unquote(s: str) -> str:
 def _read_lit(x: Any, sort: str) -> Any:
     if sort == "i64":
         return int(x)
+    if sort == "Dim":
+        return _read_dim(x)
     if sort == "IV":
-        return tuple(int(v) for v in x[1:]) if isinstance(x, list) else ()
+        return tuple(_read_dim(v) for v in x[1:]) if isinstance(x, list) else ()
     if sort == "f64":
         return float(x)
     if sort == "BigRat":

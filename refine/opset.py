@@ -11,6 +11,7 @@ every op of a kind (say, every unary elementwise op distributes over concat).
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -20,9 +21,12 @@ from typing import Any
 
 from refine.ir import TensorType
 
-# Attribute kinds and the egglog sort each one becomes.
+# Attribute kinds and the egglog sort each one becomes. A `size` (a tensor extent or an
+# offset along a dim) is a `Dim`: i64 when every shape is concrete, a PyObject holding an
+# int or a `refine.dims.Sym` when some are symbolic (see `compile_text`).
 ATTR_SORTS = {
     "int": "i64",
+    "size": "Dim",
     "dim": "i64",  # a dim of the first tensor argument; negative values are normalised
     "ints": "IV",
     "dims": "IV",
@@ -77,9 +81,10 @@ class Op:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    text: str  # one egglog command
+    text: str  # one egglog command, with the size macros of `compile_text` unexpanded
     family: str = ""
     doc: str = ""
+    symbolic: bool = True  # also sound and expressible when sizes are symbolic
 
 
 @dataclass
@@ -103,7 +108,7 @@ class Registry:
         for name, rules in self._pending:
             made: Iterable[Rule] = rules(self) if callable(rules) else rules
             for r in made:
-                self.rules.append(Rule(r.name, r.text, r.family or name, r.doc))
+                self.rules.append(Rule(r.name, r.text, r.family or name, r.doc, r.symbolic))
         self._pending.clear()
         names = [r.name for r in self.rules]
         dup = {n for n in names if names.count(n) > 1}
@@ -182,28 +187,101 @@ def same_shape(arg: int = 0) -> ShapeFn:
     return rule
 
 
-def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "") -> Rule:
+def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: bool = True) -> Rule:
     """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
-    d of x and `(ndim x)` its rank; both read the shape analysis."""
+    d of x and `(ndim x)` its rank; both read the shape analysis. Sizes are compared and
+    computed with the macros of `compile_text`."""
     lhs, rhs = _macros(lhs), _macros(rhs)
     conds = [_macros(c) for c in when]
     rhs, binds = _hoist(rhs)
     if not binds:
         text = f"(rewrite {lhs} {rhs}" + (f" :when ({' '.join(conds)})" if conds else "") + ")"
-        return Rule(name, text, doc=doc)
+        return Rule(name, text, doc=doc, symbolic=symbolic)
     # egglog reads functions such as (shape x) in queries only: bind them there
     query = " ".join([f"(= __e {lhs})", *conds, *binds])
-    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc)
+    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc, symbolic=symbolic)
 
 
-def rule(name: str, query: list[str], actions: list[str], doc: str = "") -> Rule:
+def rule(name: str, query: list[str], actions: list[str], doc: str = "", symbolic: bool = True) -> Rule:
     q = [_macros(x) for x in query]
     acts = []
     for a in actions:
         a, binds = _hoist(_macros(a), start=len(acts) * 100)
         q += binds
         acts.append(a)
-    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc)
+    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc, symbolic=symbolic)
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes. Rules compute on sizes with (d+ a b) (d- a b) (d* a b) (d/ a b) (exact
+# division), test them with (d< a b) (d<= a b) (d> a b) (d>= a b) (d!= a b) and
+# (d-divides k n), and write size literals as (dim 3). Equal sizes are equal values, so
+# `=` and repeated pattern variables need no macro. With concrete shapes these are i64
+# primitives; with symbolic ones, calls into `refine.dims`, whose tests hold only when
+# proven for every value of the symbols (Z3 decides what the fast check cannot).
+
+_I64 = {"d+": "+", "d-": "-", "d*": "*", "d/": "/", "d<": "<", "d<=": "<=", "d>": ">", "d>=": ">=", "d!=": "!="}
+_PY_VALUE = {"d+": "add", "d-": "sub", "d*": "mul", "d/": "div"}
+_PY_TEST = {"d<": "lt", "d<=": "le", "d>": "gt", "d>=": "ge", "d!=": "ne", "d-divides": "divides"}
+_TOKENS = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
+
+
+def dims_prelude() -> str:
+    """The egglog globals the symbolic macros call."""
+    names = sorted(set(_PY_VALUE.values()) | set(_PY_TEST.values()))
+    return "\n".join(f"(let $dims_{n} (py-eval \"__import__('refine.dims', fromlist=['{n}']).{n}\" "
+                     "(py-dict) (py-dict)))" for n in names)
+
+
+def compile_text(text: str, symbolic: bool) -> str:
+    """Expand the size macros (and the sort name `Dim`) of egglog text for one mode."""
+    if not any(m in text for m in ("(d", "Dim")):
+        return text
+    return " ".join(_emit(x, symbolic) for x in _read_all(text))
+
+
+def _read_all(text: str) -> list[Any]:
+    tokens = [m.group(1) for m in _TOKENS.finditer(text)]
+    pos = 0
+
+    def read() -> Any:
+        nonlocal pos
+        tok = tokens[pos]
+        pos += 1
+        if tok != "(":
+            return tok
+        items = []
+        while tokens[pos] != ")":
+            items.append(read())
+        pos += 1
+        return items
+
+    out = []
+    while pos < len(tokens):
+        out.append(read())
+    return out
+
+
+def _emit(x: Any, py: bool) -> str:
+    if isinstance(x, str):
+        return ("PyObject" if py else "i64") if x == "Dim" else x
+    if not x:
+        return "()"
+    head, args = x[0], [_emit(a, py) for a in x[1:]]
+    if not isinstance(head, str):
+        return "(" + " ".join([_emit(head, py), *args]) + ")"
+    if head == "dim":
+        (n,) = args
+        return f"(py-from-int {n})" if py else n
+    if head == "d-divides":
+        k, n = args
+        return f"(= true (py-to-bool (py-call $dims_divides {k} {n})))" if py else f"(= 0 (% {n} {k}))"
+    if head in _PY_VALUE:
+        return f"(py-call $dims_{_PY_VALUE[head]} {' '.join(args)})" if py else f"({_I64[head]} {' '.join(args)})"
+    if head in _PY_TEST:
+        return f"(= true (py-to-bool (py-call $dims_{_PY_TEST[head]} {' '.join(args)})))" if py \
+            else f"({_I64[head]} {' '.join(args)})"
+    return "(" + " ".join([_emit(head, py), *args]) + ")"
 
 
 def _hoist(text: str, start: int = 0) -> tuple[str, list[str]]:

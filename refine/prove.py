@@ -19,7 +19,7 @@ from egglog import bindings
 
 from refine.expr import LEAF_OPS, NARY, Term, from_egglog, lit, parse_sexp
 from refine.ir import Graph, Node
-from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry
+from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
 from refine.relate import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
@@ -42,6 +42,7 @@ class StepResult:
 @dataclass
 class Engine:
     registry: Registry
+    symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0})
 
     def __post_init__(self) -> None:
@@ -54,7 +55,7 @@ class Engine:
 
     def declarations(self) -> str:
         lines = [
-            "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec i64))", "(sort TF (UnstableFn (T) T))",
+            "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec Dim))", "(sort TF (UnstableFn (T) T))",
             f"(constructor D (String) T :cost {LEAF})",
             f"(constructor Out (String) T :cost {LEAF_OUT})",
             "(function shape (T) IV :merge old)",
@@ -70,11 +71,14 @@ class Engine:
             if op.egglog_shape:
                 lines.append(_in_ruleset(op.egglog_shape, "shapes"))
         for r in self.registry.rules:
+            if self.symbolic and not r.symbolic:
+                continue
             text = r.text
             if r.name.startswith("prefix-product"):
                 text = _in_ruleset(text, "shapes")
             lines.append(text)
-        return "\n".join(lines)
+        prelude = [dims_prelude()] if self.symbolic else []
+        return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
 
     def _run(self, program: str) -> list:
         try:
@@ -88,7 +92,7 @@ class Engine:
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
         and whether each of `checks` was proven equal to it."""
         t0 = time.perf_counter()
-        em = _Emitter(self.sorts, prog, registry)
+        em = _Emitter(self.sorts, prog, registry, self.symbolic)
         for name in tensors:
             em.define(name)
         for out_name, tensor in prog.outputs.items():
@@ -131,8 +135,9 @@ def _in_ruleset(text: str, ruleset: str) -> str:
 class _Emitter:
     """SSA-style egglog text: one `let` per distinct subterm, shapes from Python's types."""
 
-    def __init__(self, sorts: dict[str, tuple[str, ...]], prog: DistProgram, registry: Registry) -> None:
-        self.sorts, self.prog, self.registry = sorts, prog, registry
+    def __init__(self, sorts: dict[str, tuple[str, ...]], prog: DistProgram, registry: Registry,
+                 py: bool = False) -> None:
+        self.sorts, self.prog, self.registry, self.py = sorts, prog, registry, py
         self.lines: list[str] = []
         self.names: dict[Term, str] = {}
         self.shaped: set[str] = set()
@@ -142,7 +147,7 @@ class _Emitter:
         if name not in self.shaped:
             self.shaped.add(name)
             shape = self.prog.types[name].shape
-            self.lines.append(f'(set (shape (D "{name}")) {lit(shape, "IV")})')
+            self.lines.append(f'(set (shape (D "{name}")) {lit(shape, "IV", self.py)})')
         return f'(D "{name}")'
 
     def define(self, name: str) -> None:
@@ -162,7 +167,7 @@ class _Emitter:
         if t.op in NARY:
             text = f"({t.op} (multiset-of {' '.join(args)}))"
         else:
-            attrs = [lit(a, s) for a, s in zip(t.attrs, self.sorts[t.op], strict=True)]
+            attrs = [lit(a, s, self.py) for a, s in zip(t.attrs, self.sorts[t.op], strict=True)]
             text = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
         if inline:
             return text
@@ -171,7 +176,7 @@ class _Emitter:
         self.lines.append(f"(let {name} {text})")
         if typed:
             shape = term_type(t, self.prog, self.registry).shape
-            self.lines.append(f"(set (shape {name}) {lit(shape, 'IV')})")
+            self.lines.append(f"(set (shape {name}) {lit(shape, 'IV', self.py)})")
         return name
 
 

@@ -38,7 +38,7 @@ from egglog import bindings
 from refine.evaluate import close, eval_term, helper_sorts, max_err
 from refine.expr import Term, lit, parse_sexp
 from refine.ir import TensorType
-from refine.opset import Registry, Rule, load_registry
+from refine.opset import Registry, Rule, compile_text, load_registry
 
 ITERATIONS = 3
 SHAPES_ALWAYS = ("prefix-product",)  # analysis rules the engine runs in the shapes ruleset
@@ -440,13 +440,14 @@ class Harness:
     instances: int = 3
     iterations: int = ITERATIONS
     max_seeds: int = 150
+    symbolic: bool = False  # compile the rules for PyObject sizes, as symbolic checks run them
 
     def __post_init__(self) -> None:
         from refine.prove import Engine
 
         reg = self.registry
         bare = replace(reg, rules=[], ops=dict(reg.ops), decls=list(reg.decls), families=list(reg.families))
-        engine = Engine(bare)
+        engine = Engine(bare, symbolic=self.symbolic)
         self.engine_sorts = engine.sorts
         decls = engine.declarations()  # declarations and shape rules, no rewrite rules
         self.hsorts = helper_sorts(reg)
@@ -457,12 +458,15 @@ class Harness:
         self.checked_rules: list[tuple[int, Rule]] = []
         self.always: list[Rule] = []
         for i, r in enumerate(reg.rules):
+            if self.symbolic and not r.symbolic:
+                continue
+            text = compile_text(r.text, self.symbolic)
             if r.name.startswith(SHAPES_ALWAYS):
-                lines.append(_in_ruleset(r.text, "shapes"))
+                lines.append(_in_ruleset(text, "shapes"))
                 self.always.append(r)
             else:
                 lines.append(f"(ruleset {ruleset_name(i)})")
-                lines.append(_in_ruleset(r.text, ruleset_name(i)))
+                lines.append(_in_ruleset(text, ruleset_name(i)))
                 self.checked_rules.append((i, r))
         self.eg = bindings.EGraph()
         self._run("\n".join(lines))
@@ -498,16 +502,16 @@ class Harness:
                     s = f"({t.op} (multiset-of {' '.join(args)}))"
                 elif t.op in self.hsorts:
                     ts, rest = iter(args), iter(t.attrs)
-                    parts = [next(ts) if so == "T" else lit(next(rest), so) for so in self.hsorts[t.op]]
+                    parts = [next(ts) if so == "T" else lit(next(rest), so, self.symbolic) for so in self.hsorts[t.op]]
                     s = f"({t.op} {' '.join(parts)})"
                 else:
-                    attrs = [lit(a, so) for a, so in zip(t.attrs, self.sorts[t.op], strict=True)]
+                    attrs = [lit(a, so, self.symbolic) for a, so in zip(t.attrs, self.sorts[t.op], strict=True)]
                     s = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
             text[t] = s
             if t.op in self.hsorts:
                 lines.append(f"(union {s} {s})")
             else:
-                lines.append(f"(set (shape {s}) {lit(self.gen.shape(t), 'IV')})")
+                lines.append(f"(set (shape {s}) {lit(self.gen.shape(t), 'IV', self.symbolic)})")
             return s
 
         for seed in seeds:
@@ -708,6 +712,13 @@ def _decode(n: dict[str, Any], sort: str, nodes: dict[str, Any], value: Any) -> 
         return Fraction(op)
     if sort == "IV":
         return [value(k) for k in n["children"]]
+    if sort == "PyObject":  # a size, when the rules run in symbolic mode
+        from refine import dims
+
+        m = re.search(r'"([A-Za-z0-9+/=]+)"', op)
+        if m is None:
+            raise ValueError(f"cannot decode a PyObject value {op!r}")
+        return dims.loads(m.group(1))
     raise ValueError(f"cannot decode a {sort} value {op!r}")
 
 

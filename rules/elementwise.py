@@ -198,7 +198,7 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
         xs = _vars(op.inputs, "x")
         for i in range(op.inputs):
             lhs_args = [("(cat p q d)" if j == i else x) for j, x in enumerate(xs)]
-            left = [("p" if j == i else f"(slice {x} d 0 k)") for j, x in enumerate(xs)]
+            left = [("p" if j == i else f"(slice {x} d (dim 0) k)") for j, x in enumerate(xs)]
             right = [("q" if j == i else f"(slice {x} d k n)") for j, x in enumerate(xs)]
             out.append(rule(
                 f"{op.name}-over-cat-{i}",

@@ -42,14 +42,14 @@ def _masked_lookup(shifted: str) -> str:
 
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
-        rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids 0)"),
+        rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids (dim 0))"),
         rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
-             ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (+ s k)))))"]),
-        rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s 0)", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('ids')})"]),
-        rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(> s 0)", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"]),
+             ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (d+ s k)))))"]),
+        rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
+             [f"(union e {_masked_lookup('ids')})"], symbolic=False),
+        rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(d> s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
+             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"], symbolic=False),
     ]
 
 
-DECLS = [f"(constructor EmbRows (T T i64) T :cost {HELPER})"]
+DECLS = [f"(constructor EmbRows (T T Dim) T :cost {HELPER})"]

@@ -119,21 +119,21 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
              ["(union e (cat (matmul p b) (matmul q b) d))"]),
         rule("matmul-batch-left", ["(= e (matmul (cat p q d) b))", "(> (ndim b) 2)",
                                    "(< d (- (ndim p) 2))", "(= k (size p d))", "(= n (size e d))"],
-             ["(union e (cat (matmul p (slice b d 0 k)) (matmul q (slice b d k n)) d))"]),
+             ["(union e (cat (matmul p (slice b d (dim 0) k)) (matmul q (slice b d k n)) d))"]),
         # columns of b
         rule("matmul-cols", ["(= e (matmul a (cat p q d)))", f"(= d {last})"],
              ["(union e (cat (matmul a p) (matmul a q) (- (ndim e) 1)))"]),
         rule("matmul-batch-right", ["(= e (matmul a (cat p q d)))", "(< d (- (ndim p) 2))",
                                     "(= k (size p d))", "(= n (size e d))"],
-             ["(union e (cat (matmul (slice a d 0 k) p) (matmul (slice a d k n) q) d))"]),
+             ["(union e (cat (matmul (slice a d (dim 0) k) p) (matmul (slice a d k n) q) d))"]),
         # the contraction dim: a sum of partial products
         rule("matmul-contract-left", ["(= e (matmul (cat p q d) b))", f"(= d {last})",
                                       "(= k (size p d))", "(= nb (ndim b))"],
-             ["(union e (Sum (multiset-of (matmul p (slice b (- nb 2) 0 k)) "
+             ["(union e (Sum (multiset-of (matmul p (slice b (- nb 2) (dim 0) k)) "
               "(matmul q (slice b (- nb 2) k (size b (- nb 2)))))))"]),
         rule("matmul-contract-right", ["(= e (matmul a (cat p q d)))", "(= d (- (ndim p) 2))",
                                        "(= k (size p d))", "(= na (ndim a))"],
-             ["(union e (Sum (multiset-of (matmul (slice a (- na 1) 0 k) p) "
+             ["(union e (Sum (multiset-of (matmul (slice a (- na 1) (dim 0) k) p) "
               "(matmul (slice a (- na 1) k (size a (- na 1))) q))))"]),
         # linearity
         rule("matmul-sum-left", ["(= e (matmul (Sum ms) b))"],

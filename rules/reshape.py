@@ -127,19 +127,19 @@ OPS = [
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
         # (pp s i): the product of the first i entries of a shape vector
-        rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) 1)"]),
+        rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) (dim 1))"]),
         rule("prefix-product-step", ["(= p (pp s i))", "(< i (vec-length s))"],
-             ["(set (pp s (+ i 1)) (* p (vec-get s i)))"]),
+             ["(set (pp s (+ i 1)) (d* p (vec-get s i)))"]),
         rule("view-over-cat",
              ["(= e (view c s))", "(= c (cat p q d))", "(= si (shape c))", "(= so (shape e))",
               "(= pre (pp si d))", "(= pre (pp so d2))", "(< d2 (vec-length so))",
               "(= n (pp si (vec-length si)))",
-              "(= inner-in (/ n (pp si (+ d 1))))", "(= inner-out (/ n (pp so (+ d2 1))))",
-              "(= k (size p d))", "(= 0 (% (* k inner-in) inner-out))",
-              "(= k2 (/ (* k inner-in) inner-out))", "(> k2 0)", "(< k2 (vec-get so d2))"],
+              "(= inner-in (d/ n (pp si (+ d 1))))", "(= inner-out (d/ n (pp so (+ d2 1))))",
+              "(= k (size p d))", "(d-divides inner-out (d* k inner-in))",
+              "(= k2 (d/ (d* k inner-in) inner-out))", "(d> k2 (dim 0))", "(d< k2 (vec-get so d2))"],
              ["(union e (cat (view p (vec-set so d2 k2)) "
-              "(view q (vec-set so d2 (- (vec-get so d2) k2))) d2))"]),
+              "(view q (vec-set so d2 (d- (vec-get so d2) k2))) d2))"]),
     ]
 
 
-DECLS = ["(function pp (IV i64) i64 :merge old)"]
+DECLS = ["(function pp (IV i64) Dim :merge old)"]

@@ -112,11 +112,11 @@ OPS = [
     Op("cat", 2, _cat_shape, (("dim", "int"),), ref=lambda a, b, dim: torch.cat([a, b], dim),
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (cat a b d)) (= sa (shape a)) (= sb (shape b))) "
-       "((set (shape e) (vec-set sa d (+ (vec-get sa d) (vec-get sb d))))))",
+       "((set (shape e) (vec-set sa d (d+ (vec-get sa d) (vec-get sb d))))))",
        doc="concatenation of two tensors along dim (lists of more nest to the right)"),
-    Op("slice", 1, _slice_shape, (("dim", "int"), ("start", "int"), ("end", "int")),
+    Op("slice", 1, _slice_shape, (("dim", "int"), ("start", "size"), ("end", "size")),
        ref=_ref_slice, core=True, clean=True, kind="clean",
-       egglog_shape="(rule ((= e (slice x d b f)) (= s (shape x))) ((set (shape e) (vec-set s d (- f b)))))",
+       egglog_shape="(rule ((= e (slice x d b f)) (= s (shape x))) ((set (shape e) (vec-set s d (d- f b)))))",
        doc="x[start:end] along dim (step 1)"),
     Op("view", 1, _view_shape, (("shape", "shape"),), ref=lambda x, shape: x.reshape(shape),
        core=True, clean=True, kind="clean",
@@ -151,17 +151,17 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
     out = [
         # slices of a concat along its own dim fall into one side, or straddle both
         rewrite("slice-cat-left", "(slice (cat a b d) d s e)", "(slice a d s e)",
-                "(<= e (size a d))"),
+                "(d<= e (size a d))"),
         rewrite("slice-cat-right", "(slice (cat a b d) d s e)",
-                "(slice b d (- s (size a d)) (- e (size a d)))", "(>= s (size a d))"),
+                "(slice b d (d- s (size a d)) (d- e (size a d)))", "(d>= s (size a d))"),
         rewrite("slice-cat-straddle", "(slice (cat a b d) d s e)",
-                "(cat (slice a d s (size a d)) (slice b d 0 (- e (size a d))) d)",
-                "(< s (size a d))", "(> e (size a d))"),
+                "(cat (slice a d s (size a d)) (slice b d (dim 0) (d- e (size a d))) d)",
+                "(d< s (size a d))", "(d> e (size a d))"),
         rewrite("slice-cat-other-dim", "(slice (cat a b d) d2 s e)",
                 "(cat (slice a d2 s e) (slice b d2 s e) d)", "(!= d d2)"),
-        rewrite("slice-full", "(slice x d 0 e)", "x", "(= e (size x d))"),
+        rewrite("slice-full", "(slice x d z e)", "x", "(= z (dim 0))", "(= e (size x d))"),
         rewrite("slice-slice", "(slice (slice x d s1 e1) d s2 e2)",
-                "(slice x d (+ s1 s2) (+ s1 e2))"),
+                "(slice x d (d+ s1 s2) (d+ s1 e2))"),
         # adjacent slices of one tensor are a slice of it, and make a concat of it: this is
         # how a scattered replicated tensor is seen as the concat of its rank pieces
         rule("cat-adjacent-slices",
@@ -185,7 +185,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (multiset-pick ms))"]),
         rule("sum-cat", ["(= e (Sum ms))", "(= c (cat a b d))", "(multiset-contains ms c)",
                          "(= k (size a d))"],
-             ["(union e (cat (Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d 0 k) ms)) "
+             ["(union e (cat (Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d (dim 0) k) ms)) "
               "(Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d k (size e d)) ms)) d))"]),
         rewrite("slice-by", "(SliceBy d s e x)", "(slice x d s e)"),
         rule("slice-sum", ["(= e (slice (Sum ms) d s f))"],
@@ -217,16 +217,16 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(transpose (slice x d s e) i j)", "(!= d i)", "(!= d j)"),
         # broadcasts and constants: slicing along a broadcast dim only shrinks the expand
         rewrite("slice-expand-new-dim", "(slice (expand x sh) d s e)",
-                "(expand x (vec-set sh d (- e s)))", "(< d (- (vec-length sh) (ndim x)))"),
+                "(expand x (vec-set sh d (d- e s)))", "(< d (- (vec-length sh) (ndim x)))"),
         rewrite("slice-expand-size1", "(slice (expand x sh) d s e)",
-                "(expand x (vec-set sh d (- e s)))",
+                "(expand x (vec-set sh d (d- e s)))",
                 "(>= d (- (vec-length sh) (ndim x)))",
-                "(= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) 1)"),
+                "(= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
         rewrite("slice-expand-kept-dim", "(slice (expand x sh) d s e)",
-                "(expand (slice x (- d (- (vec-length sh) (ndim x))) s e) (vec-set sh d (- e s)))",
+                "(expand (slice x (- d (- (vec-length sh) (ndim x))) s e) (vec-set sh d (d- e s)))",
                 "(>= d (- (vec-length sh) (ndim x)))",
-                "(!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) 1)"),
-        rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (- e s)))"),
+                "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
+        rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
     ]
     # split/merge reshapes over a concat (head splits and their inverse) come from view
     # rules in the reshape family
@@ -235,7 +235,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
 # Helper constructors let a partially applied function map over the terms of a sum.
 DECLS = [
     f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
-    f"(constructor SliceBy (i64 i64 i64 T) T :cost {HELPER})",
+    f"(constructor SliceBy (i64 Dim Dim T) T :cost {HELPER})",
     f"(constructor ViewAs (IV T) T :cost {HELPER})",
     f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
 ]
