@@ -16,14 +16,21 @@ from refine.prove import Engine, frontier, infer
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report
 
-_ENGINES: dict[int, Engine] = {}
+_ENGINES: dict[tuple[int, bool], Engine] = {}
 EXPECT_HOPS = 8
 
 
-def engine_for(registry: Registry) -> Engine:
-    if id(registry) not in _ENGINES:
-        _ENGINES[id(registry)] = Engine(registry)
-    return _ENGINES[id(registry)]
+def engine_for(registry: Registry, symbolic: bool = False) -> Engine:
+    """One engine per rule set and size mode: concrete sizes are i64 in the e-graph,
+    symbolic ones PyObjects whose comparisons are proven (see refine.dims)."""
+    key = (id(registry), symbolic)
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine(registry, symbolic=symbolic)
+    return _ENGINES[key]
+
+
+def is_symbolic(seq: Graph, dist: Dist) -> bool:
+    return bool(seq.symbols) or any(g.symbols for g in dist.ranks.values())
 
 
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = ()) -> Report:
@@ -48,7 +55,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     except UnsupportedOp as e:
         raise InputError(dist_file, "$.ranks", str(e)) from None
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
-    engine = engine_for(registry)
+    engine = engine_for(registry, is_symbolic(seq, dist))
     steps0 = engine.stats["steps"]
     inf = infer(seq_core, inputs, prog, engine, registry)
 

@@ -15,6 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from refine import dims
 from refine.expr import LayoutSyntaxError, parse_layout
 from refine.ir import (
     DTYPES,
@@ -39,8 +40,9 @@ ROLES_OUT = ("loss", "gradient", "activation", "other")
 
 # the fields each object of the format may have (anything else is a typo, and an error)
 FIELDS = {
-    "sequential": ("format", "version", "kind", "graph"),
-    "distributed": ("format", "version", "kind", "mesh", "ranks", "relations", "expectations"),
+    "sequential": ("format", "version", "kind", "symbols", "graph"),
+    "distributed": ("format", "version", "kind", "symbols", "mesh", "ranks", "relations", "expectations"),
+    "symbol": ("min", "multiple_of"),
     "graph": ("inputs", "nodes", "outputs"),
     "input": ("name", "shape", "dtype", "role", "source"),
     "node": ("name", "op", "args", "attrs", "shape", "dtype", "source"),
@@ -77,6 +79,7 @@ def _json_type(v: Any) -> str:
 class _Ctx:
     def __init__(self, file: str) -> None:
         self.file = file
+        self.symbols: dict[str, dims.Sym] = {}
 
     def fail(self, where: str, reason: str) -> InputError:
         return InputError(self.file, where or "$", reason)
@@ -179,15 +182,54 @@ def _header(c: _Ctx, doc: Any, kind: str) -> None:
     c.fields(doc, "$", kind)
 
 
+def _symbols(c: _Ctx, doc: dict[str, Any], inherited: dict[str, dims.Sym]) -> dict[str, dims.Sym]:
+    """`symbols`: name -> {min, multiple_of}. A name the sequential file declares must mean
+    the same in the distributed one."""
+    out = dict(inherited)
+    for name, spec in c.get(doc, "symbols", "$", dict, {}).items():
+        at = f"$.symbols.{name}"
+        if not name.isidentifier() or name.startswith("_"):
+            raise c.fail(at, f"a symbol name must be an identifier not starting with '_', got {name!r}")
+        c.fields(spec, at, "symbol")
+        lo = c.get(spec, "min", at, int, 1)
+        step = c.get(spec, "multiple_of", at, int, 1)
+        if lo < 0:
+            raise c.fail(f"{at}.min", f"a size is never negative; min must be at least 0, got {lo}")
+        if step < 1:
+            raise c.fail(f"{at}.multiple_of", f"multiple_of must be at least 1, got {step}")
+        s = dims.sym(name, lo, step)
+        if name in inherited and inherited[name] != s:
+            old = dims.atoms_of(inherited[name])[name]
+            raise c.fail(at, f"symbol {name!r} is declared with min {lo}, multiple_of {step} here but with "
+                             f"min {old.min}, multiple_of {old.multiple} in the sequential file")
+        out[name] = s
+    return out
+
+
+def _dim(c: _Ctx, v: Any, where: str, allow_minus_one: bool = False) -> Any:
+    """A size: a non-negative integer, or an expression over the declared symbols."""
+    if isinstance(v, str):
+        try:
+            d = dims.parse(v, c.symbols)
+        except ValueError as e:
+            known = ", ".join(sorted(c.symbols)) or "none declared"
+            raise c.fail(where, f"cannot read size {v!r}: {e} (symbols: {known})") from None
+        if not dims.ge(d, 0):
+            raise c.fail(where, f"size {v!r} is not provably non-negative for every value of its symbols")
+        return d
+    if not _is_int(v) or (v < 0 and not (allow_minus_one and v == -1)):
+        raise c.fail(where, f"a dim must be a non-negative integer, got {v!r} (or a size over declared "
+                            "symbols, like \"S/2\")")
+    return v
+
+
 def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
     shape = c.get(obj, "shape", where, list)
-    for i, s in enumerate(shape):
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise c.fail(f"{where}.shape[{i}]", f"a dim must be a non-negative integer, got {s!r}")
+    dims_ = tuple(_dim(c, s, f"{where}.shape[{i}]") for i, s in enumerate(shape))
     dtype = c.get(obj, "dtype", where, str, "float32")
     if dtype not in DTYPES:
         raise c.fail(f"{where}.dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    return TensorType(tuple(shape), dtype)
+    return TensorType(dims_, dtype)
 
 
 def _is_int(v: Any) -> bool:
@@ -207,8 +249,9 @@ def _attr_problem(name: str, kind: str, v: Any) -> str | None:
     ok = {
         "int": _is_int(v),
         "dim": _is_int(v),
-        "ints": isinstance(v, list) and all(_is_int(x) for x in v),
-        "shape": isinstance(v, list) and all(_is_int(x) for x in v),
+        "ints": isinstance(v, list) and all(_is_int(x) or isinstance(x, str) for x in v),
+        "shape": isinstance(v, list) and all(_is_int(x) or isinstance(x, str) for x in v),
+        "size": _is_int(v) or isinstance(v, str),
         "dims": _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
         "float": _is_num(v),
         "bool": isinstance(v, bool),
@@ -225,11 +268,11 @@ def _attr_problem(name: str, kind: str, v: Any) -> str | None:
     if kind not in ok or ok[kind]:
         if name == "dtype" and isinstance(v, str) and v not in DTYPES:
             return f"unknown dtype {v!r} (known: {', '.join(DTYPES)})"
-        if kind == "shape" and any(x < 0 for x in v):
+        if kind == "shape" and any(_is_int(x) and x < 0 for x in v):
             return f"a shape's dims must be non-negative, got {v!r}"
         return None
-    want = {"int": "an integer", "dim": "an integer (a dim)", "ints": "a list of integers",
-            "shape": "a list of integers (a shape)", "dims": "an integer or a list of integers",
+    want = {"int": "an integer", "dim": "an integer (a dim)", "ints": "a list of integers or sizes",
+            "shape": "a list of sizes (a shape)", "size": "a size (an integer or an expression like \"S/2\")", "dims": "an integer or a list of integers",
             "float": "a number", "bool": "true or false", "str": "a string"}[kind]
     return f"must be {want}, got {_json_type(v)} {json.dumps(v)}"
 
@@ -246,6 +289,20 @@ def _check_attrs(c: _Ctx, op: Op, op_name: str, name: str, attrs: dict[str, Any]
     for k, kind in op.attrs:
         if not kind.endswith("?") and k not in attrs:
             raise c.fail(f"{at}.attrs", f"node {name!r}: op {op_name!r} needs attribute {k!r} ({kind})")
+
+
+def _read_sizes(c: _Ctx, op: Op, attrs: dict[str, Any], at: str) -> dict[str, Any]:
+    """Attributes holding sizes, with symbolic expressions read."""
+    out = dict(attrs)
+    for k, kind in op.attrs:
+        kind, v = kind.rstrip("?"), attrs.get(k)
+        if v is None:
+            continue
+        if kind in ("shape", "ints"):
+            out[k] = [_dim(c, x, f"{at}.attrs.{k}[{i}]", allow_minus_one=True) for i, x in enumerate(v)]
+        elif kind == "size":
+            out[k] = _dim(c, v, f"{at}.attrs.{k}")
+    return out
 
 
 def _lowerable(op: Op) -> bool:
@@ -304,6 +361,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                 raise c.fail(f"{at}.args[{j}]", f"an argument is a name or a number, got {_json_type(a)}")
         attrs = c.get(n, "attrs", at, dict, {})
         _check_attrs(c, op, op_name, name, attrs, at)
+        attrs = _read_sizes(c, op, attrs, at)
         tensors = [a for a in args if isinstance(a, str)]
         if op.inputs >= 0 and len(args) != op.inputs:
             raise c.fail(f"{at}.args", f"op {op_name!r} takes {op.inputs} argument(s), got {len(args)}")
@@ -357,7 +415,9 @@ def load_seq(path: str | Path, registry: Registry) -> Graph:
     c = _Ctx(str(path))
     doc = read_json(path)
     _header(c, doc, "sequential")
+    c.symbols = _symbols(c, doc, {})
     g = load_graph(c, c.get(doc, "graph", "$", dict), "$.graph", registry)
+    g.symbols = dict(c.symbols)
     for i, n in enumerate(g.nodes):
         if registry.ops[n.op].kind == "collective":
             raise c.fail(f"$.graph.nodes[{i}].op", f"the sequential graph has a collective ({n.op}) in node {n.name!r}")
@@ -519,6 +579,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     c = _Ctx(str(path))
     doc = read_json(path)
     _header(c, doc, "distributed")
+    c.symbols = _symbols(c, doc, seq.symbols)
     mesh_obj = c.get(doc, "mesh", "$", dict)
     c.fields(mesh_obj, "$.mesh", "mesh")
     axes = []
@@ -548,6 +609,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             raise c.fail(f"{at}.rank", f"rank {rank} appears twice (also at {at_rank[rank]})")
         g = load_graph(c, c.get(r, "graph", at, dict), f"{at}.graph", registry)
         g.name = f"rank{rank}"
+        g.symbols = dict(c.symbols)
         for j, n in enumerate(g.nodes):
             if registry.ops[n.op].kind != "collective":
                 continue

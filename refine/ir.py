@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-Shape = tuple[int, ...]
+Shape = tuple[Any, ...]  # each dim an int, or a refine.dims.Sym when the graph declares symbols
 Arg = str | float | int | bool  # a str is a reference to an input or node of the same graph
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8")
@@ -74,6 +74,7 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Output] = field(default_factory=list)
     name: str = "graph"
+    symbols: dict[str, Any] = field(default_factory=dict)  # name -> refine.dims.Sym
 
     def __post_init__(self) -> None:
         self._index: dict[str, Input | Node] | None = None

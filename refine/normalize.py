@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from refine.dims import Sym
 from refine.ir import Arg, Graph, Node, TensorType
 from refine.opset import Op, Registry, ShapeError
 
@@ -100,7 +101,7 @@ def normalize_attrs(op: Op, attrs: dict[str, Any], ins: list[TensorType]) -> dic
             vs = [v] if isinstance(v, int) else v
             out[name] = tuple(normalize_dim(int(x), ndim) for x in vs)
         elif kind in ("ints", "shape") and v is not None:
-            out[name] = tuple(int(x) for x in v)
+            out[name] = tuple(x if isinstance(x, Sym) else int(x) for x in v)
         elif kind == "rational":
             out[name] = Fraction(v)
     return out

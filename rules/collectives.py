@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from refine import dims
 from refine.expr import Term, cat, nary, scale
 from refine.ir import TensorType
 from refine.opset import Op, ShapeError
@@ -57,10 +58,10 @@ def _reduce_scatter_shape(ins: list[TensorType], attrs: dict[str, Any]) -> Tenso
     (x,) = ins
     n, d = len(_group(attrs)), attrs["dim"]
     _reduce_op(attrs)
-    if x.shape[d] % n:
+    if not dims.divides(n, x.shape[d]):
         raise ShapeError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks")
     s = list(x.shape)
-    s[d] //= n
+    s[d] = dims.exact_div(s[d], n)
     return TensorType(tuple(s), x.dtype)
 
 
@@ -68,10 +69,10 @@ def _all_to_all_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorTyp
     (x,) = ins
     n = len(_group(attrs))
     sd, cd = attrs["split_dim"], attrs["concat_dim"]
-    if x.shape[sd] % n:
+    if not dims.divides(n, x.shape[sd]):
         raise ShapeError(f"all_to_all splits dim {sd} (size {x.shape[sd]}) over {n} ranks")
     s = list(x.shape)
-    s[sd] //= n
+    s[sd] = dims.exact_div(s[sd], n)
     s[cd] *= n
     return TensorType(tuple(s), x.dtype)
 
@@ -90,13 +91,13 @@ def _lower_all_gather(xs: list[Term], i: int, attrs: dict[str, Any]) -> Term:
     return cat(xs, attrs["dim"])
 
 
-def _lower_reduce_scatter(xs: list[Term], i: int, attrs: dict[str, Any], size: int) -> Term:
-    c = size // len(xs)
+def _lower_reduce_scatter(xs: list[Term], i: int, attrs: dict[str, Any], size: Any) -> Term:
+    c = dims.exact_div(size, len(xs))
     return Term("slice", (_reduce(xs, attrs.get("reduce_op", "sum")),), (attrs["dim"], i * c, (i + 1) * c))
 
 
-def _lower_all_to_all(xs: list[Term], i: int, attrs: dict[str, Any], size: int) -> Term:
-    c = size // len(xs)
+def _lower_all_to_all(xs: list[Term], i: int, attrs: dict[str, Any], size: Any) -> Term:
+    c = dims.exact_div(size, len(xs))
     sd = attrs["split_dim"]
     return cat([Term("slice", (x,), (sd, i * c, (i + 1) * c)) for x in xs], attrs["concat_dim"])
 
