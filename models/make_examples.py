@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 
 HERE = Path(__file__).resolve().parent
 
 
-def tp_mlp(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
-    """Megatron MLP: column-parallel fc1 (+bias, gelu), row-parallel fc2, all_reduce, bias."""
+def tp_mlp(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tuple[dict, dict]:
+    """Megatron MLP: column-parallel fc1 (+bias, gelu), row-parallel fc2, all_reduce, bias.
+    `symbolic`: any number of tokens T and any hidden sizes H, F (F divisible by the ranks)."""
     T, H, F = 8, 16, 32
+    if symbolic:
+        T, H, F = dims.sym("T"), dims.sym("H"), dims.sym("F", multiple=world)
     s = GraphBuilder()
     x = s.input("x", [T, H])
     w1 = s.input("w1", [H, F], role="parameter")
@@ -65,14 +69,17 @@ def tp_mlp(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
         {"from": "b2", "placements": ["Replicate"]},
     ]
     exp = [{"output": "y", "placements": ["Replicate"]}]
-    return seq_doc(s), dist_doc({"tp": world}, ranks, rel, exp)
+    return seq_doc(s, [T, H, F]), dist_doc({"tp": world}, ranks, rel, exp)
 
 
-def sp_mlp(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
+def sp_mlp(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tuple[dict, dict]:
     """Megatron sequence-parallel MLP: x sharded by tokens, layer_norm on the shards,
     all_gather(dim 0), column-parallel fc1 (+bias, gelu), row-parallel fc2,
-    reduce_scatter(dim 0), then the replicated bias on the token shard."""
+    reduce_scatter(dim 0), then the replicated bias on the token shard.
+    `symbolic`: any number of tokens divisible by the ranks, any hidden size."""
     T, H, F = 8, 16, 32
+    if symbolic:
+        T, H = dims.sym("T", multiple=world), dims.sym("H")
     s = GraphBuilder()
     x = s.input("x", [T, H])
     ln_w = s.input("ln_w", [H], role="parameter")
@@ -132,7 +139,7 @@ def sp_mlp(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
         {"from": "b2", "placements": ["Replicate"]},
     ]
     exp = [{"output": "y", "placements": ["Shard(0)"]}]
-    return seq_doc(s), dist_doc({"tp": world}, ranks, rel, exp)
+    return seq_doc(s, [T, H, F]), dist_doc({"tp": world}, ranks, rel, exp)
 
 
 def tp_attention(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
@@ -264,11 +271,16 @@ CASES = {
     "tp_mlp_bug_bias_before_sum": lambda: tp_mlp(bug="bias_before_sum"),
     "tp_mlp_bug_missing_all_reduce": lambda: tp_mlp(bug="missing_all_reduce"),
     "tp_mlp_bug_double_all_reduce": lambda: tp_mlp(bug="double_all_reduce"),
+    "tp_mlp_symbolic": lambda: tp_mlp(symbolic=True),
+    "tp_mlp_symbolic_bug_bias_before_sum": lambda: tp_mlp(bug="bias_before_sum", symbolic=True),
     "sp_mlp": lambda: sp_mlp(),
     "sp_mlp_4ranks": lambda: sp_mlp(world=4),
     "sp_mlp_bug_gather_wrong_order": lambda: sp_mlp(bug="gather_wrong_order"),
     "sp_mlp_bug_gather_wrong_dim": lambda: sp_mlp(bug="gather_wrong_dim"),
     "sp_mlp_bug_bias_before_reduce_scatter": lambda: sp_mlp(bug="bias_before_reduce_scatter"),
+    "sp_mlp_symbolic": lambda: sp_mlp(symbolic=True),
+    "sp_mlp_symbolic_bug_gather_wrong_dim": lambda: sp_mlp(bug="gather_wrong_dim", symbolic=True),
+    "sp_mlp_symbolic_bug_bias_before_reduce_scatter": lambda: sp_mlp(bug="bias_before_reduce_scatter", symbolic=True),
     "tp_attention": lambda: tp_attention(),
     "tp_attention_4ranks": lambda: tp_attention(world=4),
     "tp_attention_bug_missing_all_reduce": lambda: tp_attention(bug="missing_all_reduce"),

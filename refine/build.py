@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from refine import dims
 from refine.format import FORMAT, VERSION
 from refine.ir import TensorType
 from refine.normalize import normalize_attrs
@@ -33,8 +34,8 @@ class GraphBuilder:
         self.prefix = prefix
         self._count: dict[str, int] = {}
 
-    def input(self, name: str, shape: list[int], dtype: str = "float32", role: str = "data") -> str:
-        self.inputs.append({"name": name, "shape": list(shape), "dtype": dtype, "role": role})
+    def input(self, name: str, shape: list[Any], dtype: str = "float32", role: str = "data") -> str:
+        self.inputs.append({"name": name, "shape": _json(list(shape)), "dtype": dtype, "role": role})
         self.types[name] = TensorType(tuple(shape), dtype)
         return name
 
@@ -47,10 +48,10 @@ class GraphBuilder:
             self._count[op] = k + 1
             name = f"{self.prefix}{op}_{k}" if k else f"{self.prefix}{op}"
         frame = inspect.stack()[1]
-        node = {"name": name, "op": op, "args": list(args), "shape": list(typ.shape), "dtype": typ.dtype,
+        node = {"name": name, "op": op, "args": list(args), "shape": _json(list(typ.shape)), "dtype": typ.dtype,
                 "source": f"{Path(frame.filename).name}:{frame.lineno}"}
         if attrs:
-            node["attrs"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in attrs.items()}
+            node["attrs"] = {k: _json(v) for k, v in attrs.items()}
         self.nodes.append(node)
         self.types[name] = typ
         return name
@@ -65,8 +66,28 @@ class GraphBuilder:
         return {"inputs": self.inputs, "nodes": self.nodes, "outputs": self.outputs}
 
 
-def seq_doc(g: GraphBuilder) -> dict[str, Any]:
-    return {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": g.graph()}
+def _json(v: Any) -> Any:
+    """Sizes as the format writes them: ints, or symbolic expressions as text."""
+    if isinstance(v, (list, tuple)):
+        return [_json(x) for x in v]
+    return str(v) if isinstance(v, dims.Sym) else v
+
+
+def _symbols(symbols: list[dims.Sym]) -> dict[str, Any]:
+    out = {}
+    for s in symbols:
+        for name, a in dims.atoms_of(s).items():
+            if a.floor is None:
+                out[name] = {"min": a.min, "multiple_of": a.multiple}
+    return out
+
+
+def seq_doc(g: GraphBuilder, symbols: list[dims.Sym] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "kind": "sequential"}
+    declared = _symbols(list(symbols))
+    if declared:
+        doc["symbols"] = declared
+    return doc | {"graph": g.graph()}
 
 
 def dist_doc(mesh: dict[str, int], ranks: dict[int, GraphBuilder], relations: list[dict[str, Any]],

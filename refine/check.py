@@ -75,7 +75,20 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
-    return Report(refines, results, culprit, guesses, stats)
+    return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
+
+
+def _describe_symbols(seq: Graph, dist: Dist) -> list[str]:
+    from refine import dims
+
+    syms = dict(seq.symbols)
+    for g in dist.ranks.values():
+        syms.update(g.symbols)
+    out = []
+    for name in sorted(syms):
+        a = dims.atoms_of(syms[name])[name]
+        out.append(f"{name} >= {a.min}" + (f", a multiple of {a.multiple}" if a.multiple > 1 else ""))
+    return out
 
 
 def _output_tensors(prog: DistProgram) -> list[str]:

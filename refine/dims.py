@@ -188,7 +188,8 @@ class Sym:
         return self._str  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return f"Sym({self})"
+        # the plain text: shapes in messages print as [T/2, H], as users write them
+        return str(self)
 
 
 Dim: TypeAlias = int | Sym

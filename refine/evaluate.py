@@ -12,19 +12,23 @@ On top of the interpreter:
 - `differential(seq, dist)`: evaluate both sides and compare each sequential output to what
   its expectation says the rank outputs hold (a TTrace-style differential test);
 - `audit(seq, dist)`: every relation `infer` returns must hold numerically.
+
+Symbolic sizes are evaluated at a valuation of their symbols (`instantiate`).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import torch
 
+from refine import dims
 from refine.expr import Term
 from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, tensor_name
 from refine.normalize import lower, normalize_attrs
@@ -500,6 +504,9 @@ def differential(seq: Graph, dist: Dist, registry: Registry | None = None, seed:
     """Run both sides on random consistent inputs; compare each sequential output with the
     rank outputs its expectation names (every replica)."""
     registry = registry or load_registry()
+    symbols = _symbols(seq, dist)
+    if symbols:
+        seq, dist = instantiate(seq, dist, valuation(symbols, seed))
     seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
     seq_vals = eval_graph(seq, registry, seq_in)
     rank_vals = eval_ranks(dist.ranks, registry, rank_in)
@@ -540,8 +547,9 @@ class Mismatch:
 def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 0,
           int_bound: int | None = None) -> list[Mismatch]:
     """Infer every sequential core tensor's relation, then check each one numerically
-    against the sequential value on random consistent inputs."""
-    from refine.check import engine_for
+    against the sequential value on random consistent inputs (with symbolic sizes: at a
+    random valuation of the symbols, the relations inferred once for all of them)."""
+    from refine.check import engine_for, is_symbolic
     from refine.prove import infer
     from refine.relate import build_program, seq_input_relations
 
@@ -549,8 +557,70 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     seq_core, _ = lower(seq, registry)
     prog, cores = build_program(dist, registry, "dist")
     inputs = seq_input_relations(dist, seq, prog, registry, "dist")
-    inf = infer(seq_core, inputs, prog, engine_for(registry), registry)
-    return audit_relations(seq, dist, inf.relations, prog, cores, registry, seed, int_bound)
+    symbolic = is_symbolic(seq, dist)
+    inf = infer(seq_core, inputs, prog, engine_for(registry, symbolic), registry)
+    relations = inf.relations
+    if symbolic:
+        values = valuation(_symbols(seq, dist), seed)
+        seq, dist = instantiate(seq, dist, values)
+        relations = {k: instantiate_term(t, values) for k, t in relations.items()}
+        prog, cores = build_program(dist, registry, "dist")
+    return audit_relations(seq, dist, relations, prog, cores, registry, seed, int_bound)
+
+
+# ---------------------------------------------------------------------------------------
+# Symbolic sizes at a valuation
+
+
+def valuation(symbols: Mapping[str, Any], seed: int = 0, spread: int = 3) -> dict[str, int]:
+    """Random values the symbols' declarations allow: the smallest allowed value above 1
+    (so no symbol is mistaken for a broadcast 1) plus a few steps of its multiple."""
+    rng = random.Random(seed)
+    out = {}
+    for name in sorted(symbols):
+        a = dims.atoms_of(symbols[name])[name]
+        lo = max(a.min, 2)
+        base = -(-lo // a.multiple) * a.multiple
+        out[name] = base + a.multiple * rng.randint(0, spread)
+    return out
+
+
+def _symbols(seq: Graph, dist: Dist) -> dict[str, Any]:
+    out = dict(seq.symbols)
+    for g in dist.ranks.values():
+        out.update(g.symbols)
+    return out
+
+
+def instantiate_value(v: Any, values: Mapping[str, int]) -> Any:
+    if isinstance(v, dims.Sym):
+        return dims.substitute(v, dict(values))
+    if isinstance(v, (list, tuple)):
+        return type(v)(instantiate_value(x, values) for x in v)
+    if isinstance(v, dict):
+        return {k: instantiate_value(x, values) for k, x in v.items()}
+    return v
+
+
+def instantiate_term(t: Term, values: Mapping[str, int]) -> Term:
+    return Term(t.op, tuple(instantiate_term(a, values) for a in t.args), instantiate_value(t.attrs, values))
+
+
+def instantiate_graph(g: Graph, values: Mapping[str, int]) -> Graph:
+    def typ(t: TensorType) -> TensorType:
+        return TensorType(instantiate_value(t.shape, values), t.dtype)
+
+    return Graph([replace(i, type=typ(i.type)) for i in g.inputs],
+                 [replace(n, attrs=instantiate_value(n.attrs, values), type=typ(n.type)) for n in g.nodes],
+                 list(g.outputs), g.name, {})
+
+
+def instantiate(seq: Graph, dist: Dist, values: Mapping[str, int]) -> tuple[Graph, Dist]:
+    """Both sides with every symbolic size replaced by its value."""
+    rels = [replace(r, layout=instantiate_term(r.layout, values)) if r.layout is not None else r
+            for r in dist.relations]
+    ranks = {r: instantiate_graph(g, values) for r, g in dist.ranks.items()}
+    return instantiate_graph(seq, values), Dist(dist.mesh, ranks, rels, list(dist.expectations))
 
 
 def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog: Any, cores: Mapping[int, Graph],

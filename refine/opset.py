@@ -187,6 +187,37 @@ def same_shape(arg: int = 0) -> ShapeFn:
     return rule
 
 
+def broadcast_shapes(*shapes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """torch's broadcasting, for concrete and symbolic sizes: at each right-aligned dim the
+    sizes other than 1 must be one size. A symbol is never assumed to be 1 (if it is, the
+    result is still right: broadcasting 1 against 1)."""
+    n = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(n):
+        sizes = {s[len(s) - n + i] for s in shapes if len(s) - n + i >= 0}
+        big = sizes - {1}
+        if len(big) > 1:
+            raise ShapeError(f"shapes {[list(s) for s in shapes]} do not broadcast")
+        out.append(next(iter(big)) if big else 1)
+    return tuple(out)
+
+
+def matmul_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The shape of torch.matmul(a, b): 1-d operands gain and lose a dim, batches broadcast."""
+    if not a or not b:
+        raise ShapeError(f"matmul of {list(a)} and {list(b)}: both need at least one dim")
+    a2 = (1,) + a if len(a) == 1 else a
+    b2 = b + (1,) if len(b) == 1 else b
+    if a2[-1] != b2[-2]:
+        raise ShapeError(f"matmul of {list(a)} and {list(b)}: contraction sizes differ")
+    out = broadcast_shapes(a2[:-2], b2[:-2]) + (a2[-2], b2[-1])
+    if len(a) == 1:
+        out = out[:-2] + out[-1:]
+    if len(b) == 1:
+        out = out[:-1]
+    return out
+
+
 def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: bool = True) -> Rule:
     """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
     d of x and `(ndim x)` its rank; both read the shape analysis. Sizes are compared and

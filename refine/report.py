@@ -46,6 +46,7 @@ class Report:
     culprit: Culprit | None = None
     guesses: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    symbols: list[str] = field(default_factory=list)  # e.g. "T: multiple of 2, >= 1": the verdict holds for all
 
     @property
     def exit_code(self) -> int:
@@ -75,6 +76,8 @@ def print_report(r: Report, console: Console | None = None) -> None:
     console.print(table)
     for g in r.guesses:
         console.print(f"[yellow]guessed relation[/] {escape(g)}")
+    if r.symbols:
+        console.print(f"[cyan]for every value of[/] {escape('; '.join(r.symbols))}")
     if r.refines:
         console.print(Panel("[bold green]REFINES[/]: every output relates to the rank outputs as expected"))
     else:

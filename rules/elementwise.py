@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import HELPER, Op, Registry, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
 
 def _broadcast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     try:
-        shape = tuple(torch.broadcast_shapes(*(t.shape for t in ins)))
-    except RuntimeError as e:
-        raise ShapeError(f"operands do not broadcast: {[list(t.shape) for t in ins]}") from e
+        shape = broadcast_shapes(*(t.shape for t in ins))
+    except ShapeError:
+        raise ShapeError(f"operands do not broadcast: {[list(t.shape) for t in ins]}") from None
     return TensorType(shape, ins[0].dtype if ins else "float32")
 
 
@@ -46,7 +46,7 @@ def _scalar_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _out_shape(b: Builder, args: list[Arg]) -> tuple[int, ...]:
     shapes = [b.type(a).shape for a in args if isinstance(a, str)]
-    return tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
+    return broadcast_shapes(*shapes) if shapes else ()
 
 
 def _lower_elementwise(core: str):

@@ -13,7 +13,7 @@ import torch
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, matmul_shape, rewrite, rule
 
 
 def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -27,11 +27,7 @@ def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _user_matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     a, b = ins
-    try:
-        out = torch.matmul(torch.empty(a.shape, device="meta"), torch.empty(b.shape, device="meta"))
-    except RuntimeError as e:
-        raise ShapeError(f"matmul of {list(a.shape)} and {list(b.shape)}") from e
-    return TensorType(tuple(out.shape), a.dtype)
+    return TensorType(matmul_shape(a.shape, b.shape), a.dtype)
 
 
 def _lower_matmul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
@@ -43,7 +39,7 @@ def _lower_matmul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: Tenso
     if squeeze_n:
         w, sw = b.view(w, sw + (1,)), sw + (1,)
     if len(sw) > 2:
-        batch = tuple(torch.broadcast_shapes(sx[:-2], sw[:-2]))
+        batch = broadcast_shapes(sx[:-2], sw[:-2])
         x = b.broadcast(x, batch + sx[-2:])
         w = b.broadcast(w, batch + sw[-2:])
     y = b.emit("matmul", [x, w], {})
@@ -78,10 +74,8 @@ def _linear_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _addmm_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     out = _user_matmul_shape(ins[1:], attrs)
-    try:
-        torch.broadcast_shapes(ins[0].shape, out.shape)
-    except RuntimeError as e:
-        raise ShapeError(f"bias {list(ins[0].shape)} does not broadcast to {list(out.shape)}") from e
+    if broadcast_shapes(ins[0].shape, out.shape) != out.shape:
+        raise ShapeError(f"bias {list(ins[0].shape)} does not broadcast to {list(out.shape)}")
     return out
 
 

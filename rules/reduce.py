@@ -70,7 +70,7 @@ def _logsumexp(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorTy
     return b.view(y, out.shape)
 
 
-KEEP_SHAPE_EGG = "(rule ((= e (OP x d)) (= s (shape x))) ((set (shape e) (vec-set s d 1))))"
+KEEP_SHAPE_EGG = "(rule ((= e (OP x d)) (= s (shape x))) ((set (shape e) (vec-set s d (dim 1)))))"
 
 OPS = [
     Op("rsum", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.sum(dim, keepdim=True),

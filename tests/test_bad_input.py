@@ -671,3 +671,72 @@ def test_cli_directory(tmp_path: Path, seq: Doc) -> None:
     p = run_cli(s, tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert str(tmp_path) in p.stderr and "directory" in p.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# symbolic sizes
+
+SYM_CASE = ROOT / "models" / "sp_mlp_symbolic"
+
+
+@pytest.fixture
+def sym_seq() -> Doc:
+    return json.loads((SYM_CASE / "seq.json").read_text())
+
+
+@pytest.fixture
+def sym_dist() -> Doc:
+    return json.loads((SYM_CASE / "dist.json").read_text())
+
+
+def test_undeclared_symbol(tmp_path: Path, seq: Doc, dist: Doc) -> None:
+    seq["graph"]["inputs"][0]["shape"] = ["T", 16]
+    fails(tmp_path, seq, dist, "seq", "$.graph.inputs[0].shape[0]", "cannot read size 'T'", "symbols: none declared")
+
+
+@pytest.mark.parametrize("spec, where, reason", [
+    ({"T": {"min": -1}}, "$.symbols.T.min", "at least 0"),
+    ({"T": {"multiple_of": 0}}, "$.symbols.T.multiple_of", "at least 1"),
+    ({"T": {"max": 9}}, "$.symbols.T.max", "unknown field 'max'"),
+    ({"T": {"min": "1"}}, "$.symbols.T.min", "expected integer"),
+    ({"1T": {}}, "$.symbols.1T", "identifier"),
+    ({"T": 4}, "$.symbols.T", "expected an object"),
+])
+def test_bad_symbol_declaration(tmp_path: Path, seq: Doc, dist: Doc, spec: Doc, where: str, reason: str) -> None:
+    seq["symbols"] = spec
+    fails(tmp_path, seq, dist, "seq", where, reason)
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("T/3", "not provably divisible by 3"),  # T is a multiple of 2, not of 3
+    ("T-4", "not provably non-negative"),
+    ("T+", "cannot read size"),
+    ("H*(T", "cannot read size"),
+    ("__import__('os')", "cannot read size"),
+])
+def test_bad_size_expression(tmp_path: Path, sym_seq: Doc, sym_dist: Doc, text: str, reason: str) -> None:
+    sym_seq["graph"]["inputs"][0]["shape"][0] = text
+    fails(tmp_path, sym_seq, sym_dist, "seq", "$.graph.inputs[0].shape[0]", reason)
+
+
+def test_dist_redeclares_a_symbol_differently(tmp_path: Path, sym_seq: Doc, sym_dist: Doc) -> None:
+    sym_dist["symbols"] = {"T": {"min": 1, "multiple_of": 4}}
+    fails(tmp_path, sym_seq, sym_dist, "dist", "$.symbols.T", "multiple_of 4 here", "multiple_of 2 in the sequential file")
+
+
+def test_symbolic_rank_shape_disagrees_with_its_op(tmp_path: Path, sym_seq: Doc, sym_dist: Doc) -> None:
+    for r in sym_dist["ranks"]:
+        r["graph"]["inputs"][0]["shape"][0] = "T"  # every rank holds all T tokens
+    fails(tmp_path, sym_seq, sym_dist, "dist", "$.ranks[0].graph.nodes[0].shape",
+          "has shape [T/2, H] but its inputs give [T, H]")
+
+
+def test_symbolic_node_shape_disagrees_with_its_op(tmp_path: Path, sym_seq: Doc, sym_dist: Doc) -> None:
+    node = sym_seq["graph"]["nodes"][1]  # fc1: [T, H] @ [H, 32]
+    node["shape"] = ["T", "2*H"]
+    fails(tmp_path, sym_seq, sym_dist, "seq", "$.graph.nodes[1].shape", "has shape [T, 2*H] but its inputs give [T, 32]")
+
+
+def test_symbolic_reduce_scatter_needs_provable_divisibility(tmp_path: Path, sym_seq: Doc, sym_dist: Doc) -> None:
+    sym_seq["symbols"]["T"]["multiple_of"] = 1
+    fails(tmp_path, sym_seq, sym_dist, "dist", "$.ranks[0].graph.inputs[0].shape[0]", "not provably divisible by 2")

@@ -26,6 +26,12 @@ EXPECTED: dict[str, str | None] = {
     # gathered along the hidden dim and viewed as [T, H]: fc1 reads interleaved rows
     "sp_mlp_bug_gather_wrong_dim": "fc1",
     "sp_mlp_bug_bias_before_reduce_scatter": "fc2_bias",
+    # symbolic sizes: proven for every token count and hidden size the symbols allow
+    "tp_mlp_symbolic": None,
+    "tp_mlp_symbolic_bug_bias_before_sum": "fc2_bias",
+    "sp_mlp_symbolic": None,
+    "sp_mlp_symbolic_bug_gather_wrong_dim": "fc1",
+    "sp_mlp_symbolic_bug_bias_before_reduce_scatter": "fc2_bias",
     "tp_attention": None,
     "tp_attention_4ranks": None,
     "tp_attention_bug_missing_all_reduce": "out_bias",

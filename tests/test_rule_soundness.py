@@ -59,3 +59,23 @@ def test_the_harness_catches_unsound_rules() -> None:
     for r in bad:
         assert res[r.name].fired, r.name
         assert res[r.name].failures, f"{r.name} should have been caught"
+
+
+# The same rules compiled for symbolic sizes (sizes are PyObjects and every size test calls
+# refine.dims): on concrete seeds they must merge exactly what they merge as i64 rules.
+SYMBOLIC_NAMES = [r.name for r in REG.rules if r.symbolic]
+
+
+@pytest.fixture(scope="module")
+def symbolic_results() -> dict[str, RuleResult]:
+    h = Harness(REG, seed=1, symbolic=True)
+    return {r.rule: r for r in h.run()}
+
+
+def test_symbolic_rules_are_sound_and_fire(symbolic_results: dict[str, RuleResult]) -> None:
+    assert set(symbolic_results) == set(SYMBOLIC_NAMES)
+    assert len(SYMBOLIC_NAMES) >= len(RULE_NAMES) - 5  # only rules that need f64 sizes are concrete-only
+    unsound = {n: r.failures[:3] for n, r in symbolic_results.items() if r.failures}
+    assert not unsound, unsound
+    silent = sorted(n for n, r in symbolic_results.items() if not r.fired)
+    assert not silent, f"symbolic rules never exercised: {silent}"
