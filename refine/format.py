@@ -640,13 +640,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     for i, rel in enumerate(c.get(doc, "relations", "$", list, [])):
         at = f"$.relations[{i}]"
         c.fields(rel, at, "relation")
-        src = c.get(rel, "from", at, str)
-        if src not in seq_inputs:
-            raise c.fail(f"{at}.from", f"{src!r} is not an input of the sequential graph "
-                                       f"(inputs: {', '.join(seq_inputs) or 'none'})")
-        if src in related:
-            raise c.fail(f"{at}.from", f"a second relation for sequential input {src!r} (the first is {related[src]})")
-        related[src] = at
+        src = _once(c, rel, "from", at, seq_inputs, related, "relation", "an input")
         want = seq_inputs[src].type.shape
         if "layout" in rel:
             for k in ("placements", "input"):
@@ -689,13 +683,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     for i, ex in enumerate(c.get(doc, "expectations", "$", list, [])):
         at = f"$.expectations[{i}]"
         c.fields(ex, at, "expectation")
-        out = c.get(ex, "output", at, str)
-        if out not in seq_outs:
-            raise c.fail(f"{at}.output", f"{out!r} is not an output of the sequential graph "
-                                         f"(outputs: {', '.join(seq_outs)})")
-        if out in expected:
-            raise c.fail(f"{at}.output", f"a second expectation for output {out!r} (the first is {expected[out]})")
-        expected[out] = at
+        out = _once(c, ex, "output", at, seq_outs, expected, "expectation", "an output")
         local = c.name(ex, "local", at, out)
         refs: dict[int, str] = {}
         for r, g in sorted(ranks.items()):
@@ -715,6 +703,21 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
                                              f"{list(got)}, but the sequential output {out!r} has {list(want)}")
         expectations.append(Expectation(out, local, pl, where=at))
     return Dist(mesh, ranks, relations, expectations)
+
+
+def _once(c: _Ctx, obj: dict[str, Any], key: str, at: str, known: dict[str, Any], seen: dict[str, str],
+          what: str, kind: str) -> str:
+    """`obj[key]` names a sequential input/output that no earlier relation/expectation names."""
+    name = c.get(obj, key, at, str)
+    noun = kind.split()[-1]
+    if name not in known:
+        raise c.fail(f"{at}.{key}", f"{name!r} is not {kind} of the sequential graph "
+                                    f"({noun}s: {', '.join(known) or 'none'})")
+    if name in seen:
+        label = "sequential input" if noun == "input" else noun
+        raise c.fail(f"{at}.{key}", f"a second {what} for {label} {name!r} (the first is {seen[name]})")
+    seen[name] = at
+    return name
 
 
 def _layout_shape(c: _Ctx, term: Any, ranks: dict[int, Graph], registry: Registry, want: tuple[int, ...],
