@@ -18,11 +18,11 @@ demo: setup
 	$(BIN)/refine check models/tp_mlp/seq.json models/tp_mlp/dist.json
 
 test: setup
-	$(BIN)/ruff check refine rules models tests
+	$(BIN)/ruff check refine rules models tests notebooks
 	$(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check refine rules models tests
+	$(BIN)/ruff check refine rules models tests notebooks
 
 bench: setup
 	$(BIN)/python -m refine.bench

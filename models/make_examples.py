@@ -142,10 +142,13 @@ def sp_mlp(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tu
     return seq_doc(s, [T, H, F]), dist_doc({"tp": world}, ranks, rel, exp)
 
 
-def tp_attention(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
+def tp_attention(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tuple[dict, dict]:
     """Self-attention with the heads split across ranks: column-parallel q/k/v projections,
-    per-head softmax(q k^T * scale) v, row-parallel output projection, all_reduce, bias."""
+    per-head softmax(q k^T * scale) v, row-parallel output projection, all_reduce, bias.
+    `symbolic`: any number of tokens T (heads and head size stay concrete)."""
     T, NH, HD = 8, 4, 4
+    if symbolic:
+        T = dims.sym("T")
     H = NH * HD
     nh = NH // world
     scale = HD ** -0.5  # 0.5: exact
@@ -212,7 +215,7 @@ def tp_attention(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
         {"from": "bo", "placements": ["Replicate"]},
     ]
     exp = [{"output": "y", "placements": ["Replicate"]}]
-    return seq_doc(s), dist_doc({"tp": world}, ranks, rel, exp)
+    return seq_doc(s, [T]), dist_doc({"tp": world}, ranks, rel, exp)
 
 
 def vocab_embedding(world: int = 2, bug: str | None = None) -> tuple[dict, dict]:
@@ -283,6 +286,7 @@ CASES = {
     "sp_mlp_symbolic_bug_bias_before_reduce_scatter": lambda: sp_mlp(bug="bias_before_reduce_scatter", symbolic=True),
     "tp_attention": lambda: tp_attention(),
     "tp_attention_4ranks": lambda: tp_attention(world=4),
+    "tp_attention_symbolic": lambda: tp_attention(symbolic=True),
     "tp_attention_bug_missing_all_reduce": lambda: tp_attention(bug="missing_all_reduce"),
     "tp_attention_bug_reduce_replicated_input": lambda: tp_attention(bug="reduce_replicated_input"),
     "tp_attention_bug_bias_before_sum": lambda: tp_attention(bug="bias_before_sum"),

@@ -34,6 +34,7 @@ EXPECTED: dict[str, str | None] = {
     "sp_mlp_symbolic_bug_bias_before_reduce_scatter": "fc2_bias",
     "tp_attention": None,
     "tp_attention_4ranks": None,
+    "tp_attention_symbolic": None,  # head split/merge views over any token count
     "tp_attention_bug_missing_all_reduce": "out_bias",
     # the replicated input is all-reduced: every rank projects world * x
     "tp_attention_bug_reduce_replicated_input": "q_proj",
