@@ -1,0 +1,1 @@
+"""Importers: graphs captured by other tools, turned into refine's graph format."""
