@@ -34,6 +34,9 @@ def _fake_torchgraph() -> types.ModuleType:
 
 def _write_graph(path: Path) -> None:
     mod = _fake_torchgraph()
+    names = ["torchgraph", "torchgraph.pgraph", mod.__name__]
+    for name in names[:-1]:
+        sys.modules[name] = types.ModuleType(name)
     sys.modules[mod.__name__] = mod
     try:
         x, y = mod.PickleableNode(), mod.PickleableNode()
@@ -44,7 +47,8 @@ def _write_graph(path: Path) -> None:
         g.__dict__.update(nodes=[x, y], node_dict={}, direction="fw", gid=0, rank=1, readable_str="")
         path.write_bytes(pickle.dumps(g, protocol=5))
     finally:
-        del sys.modules[mod.__name__]
+        for name in names:
+            del sys.modules[name]
 
 
 def test_reads_a_graph(tmp_path: Path) -> None:
