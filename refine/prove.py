@@ -10,6 +10,7 @@ topological order keeps every e-graph small.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Iterable
@@ -24,6 +25,7 @@ from refine.relate import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
+CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
 @dataclass
@@ -43,7 +45,8 @@ class StepResult:
 class Engine:
     registry: Registry
     symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
-    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0})
+    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0})
+    cache: dict[str, tuple[Term, int, list[str], tuple[bool, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         reg = self.registry
@@ -90,7 +93,12 @@ class Engine:
              checks: Iterable[Term] = ()) -> StepResult:
         """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
-        and whether each of `checks` was proven equal to it."""
+        and whether each of `checks` was proven equal to it.
+
+        Leaf names only say which tensors are the same, so a step is run on its program
+        with the names replaced by their order of appearance, and its result is kept under
+        that text: a repeated layer (same ops, shapes and relations over other tensors) is
+        proven once and its result renamed, not recomputed."""
         t0 = time.perf_counter()
         em = _Emitter(self.sorts, prog, registry, self.symbolic)
         for name in tensors:
@@ -101,7 +109,28 @@ class Engine:
         root = em.term(seq, typed=True)
         em.lines.append(f"(let $__seq {root})")
         em.lines.append("(let $__mark (Mark $__seq))")
-        program = "\n".join(em.lines)
+        check_texts = [em.term(c, typed=False, inline=True) for c in checks]
+        canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
+        key = hashlib.sha256(canon.encode()).hexdigest()
+        hit = self.cache.get(key)
+        if hit is None:
+            program, _, check_part = canon.partition("\n;checks\n")
+            hit = self._solve(program, check_part.split("\n") if check_texts else [])
+            if len(self.cache) >= CACHE_SIZE:
+                self.cache.pop(next(iter(self.cache)))
+            self.cache[key] = hit
+        else:
+            self.stats["reused"] += 1
+        back = {v: k for k, v in names.items()}
+        best_c, cost, found_c, results = hit
+        best = _rename(best_c, back)
+        found = [back[f][1] for f in found_c if f in back and back[f][0] == "D"]
+        dt = time.perf_counter() - t0
+        self.stats["steps"] += 1
+        self.stats["seconds"] += dt
+        return StepResult(best, cost, found, list(results), dt)
+
+    def _solve(self, program: str, checks: list[str]) -> tuple[Term, int, list[str], tuple[bool, ...]]:
         self._run("(push)")
         try:
             self._run(program)
@@ -112,8 +141,7 @@ class Engine:
             cost = int(best_out.cost)
             found = re.findall(r'\(Found "([^"]*)"\)', str(out[1]))
             results = []
-            for c in checks:
-                ce = em.term(c, typed=False, inline=True)
+            for ce in checks:
                 try:
                     self._run(f"(check (= $__seq {ce}))")
                     results.append(True)
@@ -121,10 +149,29 @@ class Engine:
                     results.append(False)
         finally:
             self._run("(pop)")
-        dt = time.perf_counter() - t0
-        self.stats["steps"] += 1
-        self.stats["seconds"] += dt
-        return StepResult(best, cost, found, results, dt)
+        return best, cost, found, tuple(results)
+
+
+_LEAF = re.compile(r'\((D|Out) "((?:[^"\\]|\\.)*)"\)')
+
+
+def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
+    """`text` with each leaf name replaced by its order of first appearance (per leaf kind)."""
+    names: dict[tuple[str, str], str] = {}
+
+    def sub(m: re.Match[str]) -> str:
+        key = (m.group(1), m.group(2))
+        if key not in names:
+            names[key] = f"{'o' if key[0] == 'Out' else 't'}{len(names)}"
+        return f'({key[0]} "{names[key]}")'
+
+    return _LEAF.sub(sub, text), names
+
+
+def _rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
+    if t.op in LEAF_OPS:
+        return Term(t.op, (), (back[t.attrs[0]][1],))
+    return Term(t.op, tuple(_rename(a, back) for a in t.args), t.attrs)
 
 
 def _in_ruleset(text: str, ruleset: str) -> str:
