@@ -121,6 +121,8 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
         "MatmulBy": lambda b, a: ref("matmul")(a, b),
         "RsumBy": lambda d, x: ref("rsum")(x, dim=d),
         "RmaxBy": lambda d, x: ref("rmax")(x, dim=d),
+        "RmeanBy": lambda d, x: ref("rmean")(x, dim=d),
+        "IndexPutBy": lambda i, sh, v: ref("index_put_acc")(i, v, shape=tuple(sh)),
         "EmbRows": _emb_rows,
     }
 
@@ -561,11 +563,14 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     inf = infer(seq_core, inputs, prog, engine_for(registry, symbolic), registry)
     relations = inf.relations
     if symbolic:
+        # evaluate the very core graphs the relations name, at the valuation (lowering the
+        # instantiated graphs may differ: a mean over a symbolic size lowers to `rmean`)
         values = valuation(_symbols(seq, dist), seed)
+        seq_core = instantiate_graph(seq_core, values)
+        cores = {r: instantiate_graph(c, values) for r, c in cores.items()}
         seq, dist = instantiate(seq, dist, values)
         relations = {k: instantiate_term(t, values) for k, t in relations.items()}
-        prog, cores = build_program(dist, registry, "dist")
-    return audit_relations(seq, dist, relations, prog, cores, registry, seed, int_bound)
+    return audit_relations(seq, dist, relations, prog, cores, registry, seed, int_bound, seq_core)
 
 
 # ---------------------------------------------------------------------------------------
@@ -624,8 +629,10 @@ def instantiate(seq: Graph, dist: Dist, values: Mapping[str, int]) -> tuple[Grap
 
 
 def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog: Any, cores: Mapping[int, Graph],
-                    registry: Registry, seed: int = 0, int_bound: int | None = None) -> list[Mismatch]:
-    seq_core, _ = lower(seq, registry)
+                    registry: Registry, seed: int = 0, int_bound: int | None = None,
+                    seq_core: Graph | None = None) -> list[Mismatch]:
+    if seq_core is None:
+        seq_core, _ = lower(seq, registry)
     seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
     seq_vals = eval_graph(seq_core, registry, seq_in)
     rank_vals = eval_ranks(cores, registry, rank_in)

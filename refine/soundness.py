@@ -6,7 +6,9 @@
    pieces (uneven, size-1 pieces included), a slice, a transpose, a view, an expand, a
    constant, a sum (of one, two or three terms), a scale or a max; each op result sliced;
    and the helper constructors rule files declare (`ScaleBy`, `EmbRows`, ...) applied
-   directly. Shapes are small (1 to 4 per dim), so edge shapes come up often.
+   directly. Shapes are small (1 to 4 per dim), so edge shapes come up often. Each op's
+   seeds come from a random stream of its own, so a new op leaves the others' seeds as they
+   were; index arguments hold integers below the indexed size.
 2. **One rule at a time.** One egglog e-graph holds every declaration, the shape analysis
    (ruleset `shapes`, as in `refine.prove.Engine`) and each rule in a ruleset of its own.
    For each rule: push, insert the seeds whose ops cover the rule's query, run the rule a
@@ -77,7 +79,8 @@ class SeedGen:
 
     def type(self, t: Term) -> TensorType:
         if t.op == "D":
-            return TensorType(self.leaves[t.attrs[0]].shape)
+            spec = self.leaves[t.attrs[0]]
+            return TensorType(spec.shape, {"i": "int64", "b": "bool"}.get(spec.kind, "float32"))
         op = self.registry.ops[t.op]
         attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
         return op.shape([self.type(a) for a in t.args], attrs)
@@ -184,7 +187,11 @@ class SeedGen:
             if name == "Scale":
                 return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
             kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"
-            attrs = (r.choice(["none", "tanh"]),) if name == "gelu_t" else ()
+            attrs: tuple[Any, ...] = ()
+            if name == "gelu_t":
+                attrs = (r.choice(["none", "tanh"]),)
+            elif name == "clamp_t":
+                attrs = r.choice([(-0.5, 0.5), (-math.inf, 0.0), (0.0, math.inf)])
             return [(x, kind, 0)], attrs
         if op.kind == "elementwise":
             if name in ("logical_or_t", "logical_and_t"):
@@ -206,7 +213,27 @@ class SeedGen:
             batch = self.dims(r.choice([0, 1, 1, 2]))
             b = batch + (k, n) if batch and r.random() < 0.5 else (k, n)
             return [(batch + (m, k), "f", 0), (b, "f", 0)], ()
-        if name in ("softmax", "log_softmax", "rsum", "rmax"):
+        if name in ("gather", "scatter_value"):
+            x = self.dims(r.choice([1, 2, 2, 3]))
+            d = r.randrange(len(x))
+            idx = list(x)
+            idx[d] = r.choice([1, 2, 3])
+            if len(x) > 1 and r.random() < 0.25:  # an index smaller than x on another dim
+                j = r.choice([i for i in range(len(x)) if i != d])
+                idx[j] = r.randint(1, x[j])
+            attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
+            return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
+        if name == "index_put_acc":
+            idx = self.dims(r.choice([1, 1, 2]))
+            trailing = self.dims(r.choice([0, 1, 1, 2]))
+            rows = r.choice([2, 3, 4, 5])
+            return [(idx, "i", rows), (idx + trailing, "f", 0)], ((rows,) + trailing,)
+        if name == "layer_norm_rstd_c":
+            return [(x, "f", 0)], (r.choice([1e-5, 0.5]),)
+        if name == "arange_c":
+            start, step, n = r.randint(0, 3), r.choice([1, 1, 2, 3]), r.randint(1, 5)
+            return [], (start, start + (n - 1) * step + r.randint(1, step), step)
+        if name in ("softmax", "log_softmax", "rsum", "rmax", "rmean"):
             return [(x, "f", 0)], (r.randrange(len(x)),)
         if name in ("layer_norm_c", "rms_norm_c"):
             k = r.choice([1, 1, len(x)])
@@ -246,7 +273,8 @@ class SeedGen:
     # -- the seed set
 
     EXTRA = {"matmul": 4, "embedding": 2, "softmax": 2, "log_softmax": 2, "rmax": 2, "rsum": 2,
-             "layer_norm_c": 3, "rms_norm_c": 3}
+             "layer_norm_c": 3, "rms_norm_c": 3, "gather": 2, "scatter_value": 2, "index_put_acc": 2,
+             "layer_norm_rstd_c": 2}
     FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
 
     def seeds(self) -> list[Term]:
@@ -254,6 +282,8 @@ class SeedGen:
         self.special_terms = self.special()
         out: list[Term] = []
         for name in sorted(self.core):
+            # one random stream per op: a new op leaves every other op's seeds as they were
+            self.rng = random.Random(f"{self.seed}:{name}")
             for _ in range(self.instances * self.EXTRA.get(name, 1)):
                 inst = self.instance(name)
                 if inst is None:
@@ -365,6 +395,49 @@ class SeedGen:
                 Term("RsumBy", (t,), (r.randrange(2),)),
                 Term("RmaxBy", (t,), (r.randrange(2),)),
             ]
+        rng, self.rng = self.rng, random.Random(f"{self.seed}:indexing")  # leave the stream above as it was
+        for _ in range(self.instances):
+            out += self.special_indexing()
+        self.rng = rng
+        return out
+
+    def special_indexing(self) -> list[Term]:
+        """Adjacent ranges, split tables and indices lined up with their inputs, a zero term
+        in a sum, the helpers of the newer rule files, and sure matches for rules the random
+        pool can miss."""
+        r = self.rng
+        out: list[Term] = [Term("RmeanBy", (self.leaf((2, 3)),), (r.randrange(2),))]
+        st = r.choice([1, 2])
+        s0, n0, n1 = r.randint(0, 2), r.randint(1, 3), r.randint(1, 3)
+        a1 = Term("arange_c", (), (s0, s0 + n0 * st, st))
+        a2 = Term("arange_c", (), (s0 + n0 * st, s0 + (n0 + n1) * st, st))
+        out.append(Term("cat", (a1, a2), (0,)))
+        v = r.choice([2, 3, 4])
+        ids = self.leaf(self.dims(r.choice([1, 2])), "i", v)
+        table = Term("cat", (self.leaf((v, 1)), self.leaf((v, 2))), (1,))
+        out.append(Term("embedding", (table, ids)))
+        emb = Term("embedding", (self.leaf((v, 3)), ids))
+        out.append(Term("slice", (emb,), (len(self.shape(ids)), 1, 3)))
+        # x and index with the same extent on the concat's dim 0; gathered/scattered on dim 1
+        x = Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,))
+        idx = self.leaf((3, r.choice([1, 2])), "i", 3)
+        out += [Term("gather", (x, idx), (1,)), Term("scatter_value", (x, idx), (1, -1.0)),
+                Term("slice", (Term("scatter_value", (self.leaf((3, 3)), idx), (1, 2.0)),), (0, 1, 3))]
+        rows = r.choice([2, 4])
+        i1 = self.leaf((3,), "i", rows)
+        vals = Term("cat", (self.leaf((3, 1)), self.leaf((3, 2))), (1,))
+        out.append(Term("index_put_acc", (i1, vals), ((rows, 3),)))
+        out.append(Term("slice", (Term("index_put_acc", (i1, self.leaf((3, 3))), ((rows, 3),)),), (1, 1, 3)))
+        out.append(Term("IndexPutBy", (i1, self.leaf((3, 2))), ((rows, 2),)))
+        sh = self.dims(2)
+        out.append(Term("Sum", (self.leaf(sh), Term("full", (), (0.0, sh)))))
+        # rules whose matches the random pool may miss: one sure match each
+        out += [
+            Term("view", (Term("view", (self.leaf((2, 3)),), ((3, 2),)),), ((6,),)),
+            Term("slice", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)),), (0, 0, 1)),
+            Term("Max", (Term("Max", (self.leaf((2,)), self.leaf((2,)))), self.leaf((2,)))),
+            Term("slice", (Term("transpose", (self.leaf((2, 3, 2)),), (0, 2)),), (1, 1, 3)),
+        ]
         return out
 
 

@@ -8,13 +8,14 @@ structural fact the structure rules handle (slicing an expand along a broadcast 
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from refine.ir import Arg, TensorType
+from refine.ir import Arg, Node, TensorType
 from refine.normalize import Builder
 from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
@@ -49,13 +50,24 @@ def _out_shape(b: Builder, args: list[Arg]) -> tuple[int, ...]:
     return broadcast_shapes(*shapes) if shapes else ()
 
 
+def _operand(b: Builder, a: Arg, shape: tuple[Any, ...], dtype: str = "float32") -> str:
+    """`b.broadcast`, with a broadcast constant (a rank-0 `scalar_tensor`, say) folded into a
+    constant of the full shape: the prover takes a `full` as a constant, an expand of one
+    as a rank tensor it has to find."""
+    if isinstance(a, str):
+        node = b.graph.index().get(a)
+        if isinstance(node, Node) and node.op == "full" and tuple(node.type.shape) != tuple(shape):
+            return b.const(float(node.attrs["value"]), shape, node.type.dtype)
+    return b.broadcast(a, shape, dtype)
+
+
 def _lower_elementwise(core: str):
     """A broadcasting user op lowered to the same-shape core op."""
 
     def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
         shape = out.shape
         dtype = next((b.type(a).dtype for a in args if isinstance(a, str)), "float32")
-        ins = [b.broadcast(a, shape, dtype) for a in args]
+        ins = [_operand(b, a, shape, dtype) for a in args]
         return b.emit(core, ins, attrs, out)
 
     return decompose
@@ -71,7 +83,7 @@ def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
                 continue  # adding zero is the identity
             terms.append(b.const(float(a) * float(f), out.shape, out.dtype))
         else:
-            terms.append(b.scale(b.broadcast(a, out.shape), f))
+            terms.append(b.scale(_operand(b, a, out.shape), f))
     if len(terms) == 1:
         return terms[0]
     return b.emit("Sum", terms, {}, out)
@@ -95,9 +107,9 @@ def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
 def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
     if not isinstance(y, str) and isinstance(x, str):
-        return b.scale(b.broadcast(x, out.shape), Fraction(y))
+        return b.scale(_operand(b, x, out.shape), Fraction(y))
     if not isinstance(x, str) and isinstance(y, str):
-        return b.scale(b.broadcast(y, out.shape), Fraction(x))
+        return b.scale(_operand(b, y, out.shape), Fraction(x))
     return _lower_elementwise("mul_t")(b, args, attrs, out)
 
 
@@ -106,7 +118,7 @@ def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     if not isinstance(y, str) and isinstance(x, str):
         if float(y) == 0.0:
             raise ShapeError("division by the literal 0")
-        return b.scale(b.broadcast(x, out.shape), 1 / Fraction(y))
+        return b.scale(_operand(b, x, out.shape), 1 / Fraction(y))
     return _lower_elementwise("div_t")(b, args, attrs, out)
 
 
@@ -125,6 +137,47 @@ def _dropout(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType
 
 def _gelu(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     return b.emit("gelu_t", list(args), {"approximate": attrs.get("approximate", "none")}, out)
+
+
+def _where_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    # the condition is always a tensor (ins[0]); the result has the branches' dtype
+    shape = _broadcast(ins, attrs).shape
+    branches = [t.dtype for t in ins[1:]]
+    floats = [d for d in branches if not d.startswith(("int", "uint", "bool"))]
+    return TensorType(shape, (floats or branches or ["float32"])[0])
+
+
+def _where(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    # a literal branch takes the result's dtype, not the condition's (a bool -inf is True)
+    c, x, y = args
+    ins = [_operand(b, c, out.shape, "bool"), _operand(b, x, out.shape, out.dtype), _operand(b, y, out.shape, out.dtype)]
+    return b.emit("where_t", ins, {}, out)
+
+
+def _clamp(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    lo, hi = attrs.get("min"), attrs.get("max")
+    return b.emit("clamp_t", list(args), {"min": -math.inf if lo is None else float(lo),
+                                          "max": math.inf if hi is None else float(hi)}, out)
+
+
+def _clamp_ref(x: torch.Tensor, min: float | None = None, max: float | None = None) -> torch.Tensor:  # noqa: A002
+    if x.is_floating_point():
+        return torch.clamp(x, min, max)
+    # integer tensors stay integers: clamp to the integers inside [min, max]
+    lo = None if min is None or min == -math.inf else math.ceil(min)
+    hi = None if max is None or max == math.inf else math.floor(max)
+    return x if lo is None and hi is None else torch.clamp(x, lo, hi)
+
+
+def _bool_only(core: str):
+    """bitwise ops on bool tensors are the logical ops; on integers they are not supported."""
+
+    def shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+        if any(t.dtype != "bool" for t in ins):
+            raise ShapeError(f"{core[:-2]} as a bitwise op on {[t.dtype for t in ins]}: only bool tensors are supported")
+        return _broadcast_bool(ins, attrs)
+
+    return shape
 
 
 UNARY = {
@@ -151,6 +204,9 @@ OPS = [
       for n, f in UNARY.items()),
     Op("gelu_t", 1, _same_shape(), (("approximate", "str"),), ref=_gelu_ref, core=True, kind="unary"),
     Op("gelu", 1, _same_shape(), (("approximate", "str?"),), ref=_gelu_ref, decompose=_gelu),
+    Op("clamp_t", 1, _same_shape(), (("min", "float"), ("max", "float")), ref=_clamp_ref, core=True,
+       kind="unary", doc="clamp to [min, max] (either may be infinite)"),
+    Op("clamp", 1, _same_shape(), (("min", "float?"), ("max", "float?")), ref=_clamp_ref, decompose=_clamp),
     *(Op(n[:-2], 1, _same_shape("bool" if n in PREDICATES else None), ref=f,
          decompose=_lower_elementwise(n)) for n, f in UNARY.items()),
     *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise")
@@ -168,14 +224,21 @@ OPS = [
     Op("div", 2, _broadcast, ref=torch.div, decompose=_div),
     Op("masked_fill", 2, lambda ins, a: ins[0], (("value", "float"),),
        ref=lambda x, m, value: x.masked_fill(m.bool(), value), decompose=_masked_fill),
-    Op("where", 3, _broadcast, ref=lambda c, x, y: torch.where(c.bool(), x, y),
-       decompose=_lower_elementwise("where_t")),
+    Op("where", 3, _where_shape, ref=lambda c, x, y: torch.where(torch.as_tensor(c).bool(), x, y),
+       decompose=_where, doc="args: condition, x, y (tensors or number literals)"),
     Op("dropout_masked", 2, _broadcast, (("p", "float"),),
        ref=lambda x, m, p: x * m / (1 - p), decompose=_dropout,
        doc="dropout with its keep-mask as an explicit input"),
     *(Op(n[:-2], 2, _broadcast_bool if n in PREDICATES else _broadcast, ref=f,
          decompose=_lower_elementwise(n))
       for n, f in BINARY.items() if n not in ("mul_t", "div_t")),
+    # aten's bitwise ops on bool tensors (masks) are the logical ones
+    Op("bitwise_and", 2, _bool_only("logical_and_t"), ref=torch.bitwise_and,
+       decompose=_lower_elementwise("logical_and_t")),
+    Op("bitwise_or", 2, _bool_only("logical_or_t"), ref=torch.bitwise_or,
+       decompose=_lower_elementwise("logical_or_t")),
+    Op("bitwise_not", 1, _bool_only("logical_not_t"), ref=torch.bitwise_not,
+       decompose=_lower_elementwise("logical_not_t")),
 ]
 
 

@@ -42,6 +42,14 @@ def _masked_lookup(shifted: str) -> str:
 
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
+        # a lookup is row-wise in ids and column-wise in the table
+        rewrite("embedding-ids-cat", "(embedding w (cat a b d))", "(cat (embedding w a) (embedding w b) d)"),
+        rewrite("slice-into-embedding-ids", "(slice (embedding w ids) d s e)", "(embedding w (slice ids d s e))",
+                "(< d (ndim ids))"),
+        rewrite("embedding-cols-cat", "(embedding (cat a b 1) ids)",
+                "(cat (embedding a ids) (embedding b ids) (ndim ids))"),
+        rewrite("slice-into-embedding-cols", "(slice (embedding w ids) d s e)", "(embedding (slice w 1 s e) ids)",
+                "(= d (ndim ids))"),
         rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids (dim 0))"),
         rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
              ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (d+ s k)))))"]),

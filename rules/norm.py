@@ -3,6 +3,7 @@ other dim. (Normalising over a sharded dim needs a statistics all-reduce; that d
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -54,6 +55,60 @@ def _rms_norm(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorTyp
     return b.emit("rms_norm_c", [x, w], {"normalized_ndim": len(ns), "eps": float(attrs.get("eps", 1e-6))}, out)
 
 
+def _stats_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    ns = tuple(attrs["normalized_shape"])
+    k = len(ns)
+    if not 1 <= k <= x.ndim or x.shape[x.ndim - k:] != ns:
+        raise ShapeError(f"normalized_shape {list(ns)} does not end {list(x.shape)}")
+    return TensorType(x.shape[:x.ndim - k] + (1,) * k, x.dtype)
+
+
+def _over_last_dim(core: str):
+    """A statistic over the trailing normalized dims, kept: the core op over the last dim,
+    with several normalized dims merged into one first (a view keeps a concat on a leading
+    dim). The statistic is one core op, not its formula: traced backwards recompute the
+    centred input themselves, and the prover follows one rank tensor per value."""
+
+    def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+        x = args[0]
+        assert isinstance(x, str)
+        t = b.type(x)
+        k = len(attrs["normalized_shape"])
+        lead = t.shape[:t.ndim - k]
+        flat = b.view(x, lead + (math.prod(t.shape[t.ndim - k:]),))
+        at = {"dim": len(lead)} if core == "rmean" else {"eps": float(attrs.get("eps", 1e-5))}
+        y = b.emit(core, [flat], at)
+        return b.view(y, out.shape)
+
+    return decompose
+
+
+def _rstd_c_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    if x.ndim < 1:
+        raise ShapeError("layer_norm_rstd_c of a rank-0 tensor")
+    return TensorType(x.shape[:-1] + (1,), x.dtype)
+
+
+def _rstd_c_ref(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+
+
+def _ln_stat_ref(i: int):
+    def ref(x, normalized_shape, eps=1e-5):
+        return torch.native_layer_norm(x, list(normalized_shape), None, None, eps)[i]
+
+    return ref
+
+
+def _softmax_user(core: str):
+    def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+        return b.emit(core, list(args), {"dim": attrs["dim"]}, out)
+
+    return decompose
+
+
 def _ln_ref(x, w, b, normalized_ndim, eps):
     return F.layer_norm(x, x.shape[x.ndim - normalized_ndim:], w, b, eps)
 
@@ -79,6 +134,22 @@ OPS = [
     Op("layer_norm", -1, _user_norm_shape, (("normalized_shape", "ints"), ("eps", "float?")),
        ref=lambda x, w=None, b=None, normalized_shape=(), eps=1e-5: F.layer_norm(x, normalized_shape, w, b, eps),
        decompose=_layer_norm, doc="args: x[, weight[, bias]]"),
+    # native_layer_norm's statistics (outputs 1 and 2), which its decomposed backward reads
+    Op("layer_norm_rstd_c", 1, _rstd_c_shape, (("eps", "float"),), ref=_rstd_c_ref, core=True,
+       egglog_shape="(rule ((= e (layer_norm_rstd_c x eps)) (= s (shape x))) "
+       "((set (shape e) (vec-set s (- (vec-length s) 1) (dim 1)))))",
+       doc="1/sqrt(biased variance over the last dim + eps), kept as size 1"),
+    Op("layer_norm_mean", 1, _stats_shape, (("normalized_shape", "ints"), ("eps", "float?")),
+       ref=_ln_stat_ref(1), decompose=_over_last_dim("rmean"),
+       doc="mean over the trailing normalized dims, kept as size 1"),
+    Op("layer_norm_rstd", 1, _stats_shape, (("normalized_shape", "ints"), ("eps", "float?")),
+       ref=_ln_stat_ref(2), decompose=_over_last_dim("layer_norm_rstd_c"),
+       doc="1/sqrt(biased variance + eps) over the trailing normalized dims, kept as size 1"),
+    # aten's _softmax / _log_softmax; half_to_float only changes the dtype
+    Op("_softmax", 1, _along, (("dim", "dim"), ("half_to_float", "bool?")),
+       ref=lambda x, dim, half_to_float=False: torch.softmax(x, dim), decompose=_softmax_user("softmax")),
+    Op("_log_softmax", 1, _along, (("dim", "dim"), ("half_to_float", "bool?")),
+       ref=lambda x, dim, half_to_float=False: torch.log_softmax(x, dim), decompose=_softmax_user("log_softmax")),
     Op("rms_norm", -1, _user_norm_shape, (("normalized_shape", "ints"), ("eps", "float?")),
        ref=lambda x, w=None, normalized_shape=(), eps=1e-6: _rms_ref(x, w if w is not None else torch.ones(normalized_shape, dtype=x.dtype), len(normalized_shape), eps),
        decompose=_rms_norm, doc="args: x[, weight]"),
@@ -95,6 +166,13 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
                     "(!= d d2)"),
         ]
     # a concat on a dim the norm does not normalise (d < ndim - k) passes through it
+    # (the normalized dim itself split: rmean becomes partial sums, rstd has no relation)
+    out += [
+        rewrite("layer_norm_rstd_c-over-cat", "(layer_norm_rstd_c (cat a b d) eps)",
+                "(cat (layer_norm_rstd_c a eps) (layer_norm_rstd_c b eps) d)", "(< d (- (ndim a) 1))"),
+        rewrite("slice-into-layer_norm_rstd_c", "(slice (layer_norm_rstd_c x eps) d s e)",
+                "(layer_norm_rstd_c (slice x d s e) eps)", "(< d (- (ndim x) 1))"),
+    ]
     out += [
         rewrite("layer_norm-over-cat", "(layer_norm_c (cat a b d) w c k eps)",
                 "(cat (layer_norm_c a w c k eps) (layer_norm_c b w c k eps) d)",

@@ -10,7 +10,7 @@ import torch
 
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
-from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.opset import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -21,6 +21,16 @@ def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     s = list(x.shape)
     s[d] = 1
     return TensorType(tuple(s), x.dtype)
+
+
+def _summed(shape: ShapeFn) -> ShapeFn:
+    """torch sums bool tensors as int64 (a count of the true elements)."""
+
+    def rule(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+        t = shape(ins, attrs)
+        return TensorType(t.shape, "int64") if t.dtype == "bool" else t
+
+    return rule
 
 
 def _dims(attrs: dict[str, Any], ndim: int) -> tuple[int, ...]:
@@ -39,17 +49,33 @@ def _user_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return TensorType(shape, x.dtype)
 
 
+def _mean_over(b: Builder, x: str, dims: tuple[int, ...]) -> str:
+    """The mean of x over dims, kept: a sum scaled by the exact 1/count over the concrete
+    dims (so sharded partial sums stay a Sum), a core `rmean` over each symbolic one (1/T
+    is no rational)."""
+    shape = b.type(x).shape
+    y, count = x, 1
+    for d in dims:
+        if isinstance(shape[d], int):
+            y = b.emit("rsum", [y], {"dim": d})
+            count *= shape[d]
+        else:
+            y = b.emit("rmean", [y], {"dim": d})
+    if count == 0:
+        raise ShapeError("mean over an empty dim")
+    return b.scale(y, Fraction(1, count))
+
+
 def _reduce(core: str, mean: bool = False):
     def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
         (x,) = args
-        shape = b.type(x).shape
-        dims = _dims(attrs, len(shape))
-        y, count = x, 1
+        assert isinstance(x, str)
+        dims = _dims(attrs, len(b.type(x).shape))
+        if mean:
+            return b.view(_mean_over(b, x, dims), out.shape)
+        y = x
         for d in dims:
             y = b.emit(core, [y], {"dim": d})
-            count *= shape[d]
-        if mean:
-            y = b.scale(y, Fraction(1, count))
         return b.view(y, out.shape)
 
     return decompose
@@ -73,11 +99,14 @@ def _logsumexp(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorTy
 KEEP_SHAPE_EGG = "(rule ((= e (OP x d)) (= s (shape x))) ((set (shape e) (vec-set s d (dim 1)))))"
 
 OPS = [
-    Op("rsum", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.sum(dim, keepdim=True),
+    Op("rsum", 1, _summed(_keep_shape), (("dim", "dim"),), ref=lambda x, dim: x.sum(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rsum"), doc="sum over dim, kept"),
     Op("rmax", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.amax(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmax"), doc="max over dim, kept"),
-    Op("sum", 1, _user_shape, (("dim", "dims?"), ("keepdim", "bool?")),
+    Op("rmean", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.mean(dim, keepdim=True),
+       core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmean"),
+       doc="mean over dim, kept (means over a symbolic size; concrete ones are scaled sums)"),
+    Op("sum", 1, _summed(_user_shape), (("dim", "dims?"), ("keepdim", "bool?")),
        ref=lambda x, dim=None, keepdim=False: x.sum(dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
        decompose=_reduce("rsum")),
     Op("mean", 1, _user_shape, (("dim", "dims?"), ("keepdim", "bool?")),
@@ -111,8 +140,21 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("rmax-max", ["(= e (rmax (Max ms) d))"],
              ["(union e (Max (unstable-multiset-map (unstable-fn \"RmaxBy\" d) ms)))"]),
         rewrite("rmax-by", "(RmaxBy d x)", "(rmax x d)"),
+        # a mean over a dim keeps a concat on any other dim and is linear; over the
+        # concat's own dim it would need size ratios as rationals (no rule: no relation)
+        rewrite("rmean-over-cat-other-dim", "(rmean (cat a b d) d2)", "(cat (rmean a d2) (rmean b d2) d)",
+                "(!= d d2)"),
+        rewrite("slice-into-rmean", "(slice (rmean x d2) d s e)", "(rmean (slice x d s e) d2)", "(!= d d2)"),
+        rule("rmean-sum", ["(= e (rmean (Sum ms) d))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"RmeanBy\" d) ms)))"]),
+        rewrite("rmean-by", "(RmeanBy d x)", "(rmean x d)"),
+        rewrite("rmean-scale", "(rmean (Scale x r) d)", "(Scale (rmean x d) r)"),
+        # with concrete sizes a mean is the scaled sum, so a split dim gives partial sums
+        rule("rmean-as-sum", ["(= e (rmean x d))", "(= n (size x d))", "(> n 0)"],
+             ["(union e (Scale (rsum x d) (bigrat (bigint 1) (bigint n))))"], symbolic=False),
     ]
     return out
 
 
-DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})"]
+DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})",
+         f"(constructor RmeanBy (i64 T) T :cost {HELPER})"]

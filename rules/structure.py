@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from refine.ir import TensorType
+from refine.ir import Arg, TensorType
+from refine.normalize import Builder
 from refine.opset import HELPER, Op, ShapeError, rewrite, rule
 
 
@@ -86,6 +87,27 @@ def _nary_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     return ins[0]
 
 
+def _concat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    if not ins:
+        raise ShapeError("concat of no tensors")
+    out = ins[0]
+    for t in ins[1:]:
+        out = _cat_shape([out, t], attrs)
+    return out
+
+
+def _concat(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    # the right-nested binary chain cat(a0, cat(a1, a2)) the rules know
+    xs = [a for a in args if isinstance(a, str)]
+    if len(xs) != len(args):
+        raise ShapeError("concat takes tensors only")
+    d = attrs["dim"]
+    acc = xs[-1]
+    for x in reversed(xs[:-1]):
+        acc = b.emit("cat", [x, acc], {"dim": d})
+    return acc
+
+
 def _ref_slice(x: torch.Tensor, dim: int, start: int, end: int) -> torch.Tensor:
     return x.narrow(dim, start, end - start)
 
@@ -134,6 +156,8 @@ OPS = [
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (full v s))) ((set (shape e) s)))",
        doc="a constant tensor"),
+    Op("concat", -1, _concat_shape, (("dim", "dim"),), ref=lambda *xs, dim: torch.cat(xs, dim),
+       decompose=_concat, doc="aten.cat: any number of tensors along dim"),
     Op("Scale", 1, _same, (("factor", "rational"),), ref=_ref_scale, core=True, clean=True,
        kind="unary", egglog_shape=SHAPE_SAME.replace("OP", "Scale").replace(" ARGS", " r"),
        doc="x times an exact rational"),
@@ -179,6 +203,10 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
         rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
              ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
+        # adding a zero constant changes nothing (an accumulation into zeros, say)
+        rule("sum-zero", ["(= e (Sum ms))", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
+                          "(> (multiset-length ms) 1)"],
+             ["(union e (Sum (multiset-remove ms z)))"]),
         rule("sum-single", ["(= e (Sum ms))", "(= (multiset-length ms) 1)"],
              ["(union e (multiset-pick ms))"]),
         rule("max-single", ["(= e (Max ms))", "(= (multiset-length ms) 1)"],

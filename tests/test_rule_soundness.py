@@ -47,6 +47,10 @@ BAD = [
     rewrite("bad-rsum-over-cat", "(rsum (cat a b d) d)", "(cat (rsum a d) (rsum b d) d)"),
     rewrite("bad-transpose-cat", "(transpose (cat a b d) i j)", "(cat (transpose a i j) (transpose b i j) d)"),
     rewrite("bad-matmul-rows", "(matmul (cat p q d) b)", "(cat (matmul p b) (matmul q b) d)"),
+    # the second piece of a split index reads the input's later rows; accumulations add up
+    rewrite("bad-gather-cat-index", "(gather x (cat p q d) g)", "(cat (gather x p g) (gather x q g) d)"),
+    rewrite("bad-index-put-cat", "(index_put_acc (cat p q 0) v sh)",
+            "(index_put_acc p (slice v 0 (dim 0) (size p 0)) sh)"),
 ]
 
 
