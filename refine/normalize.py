@@ -29,6 +29,10 @@ class Builder:
     source: str | None = None
     count: int = 0
     alias: dict[str, str] = field(default_factory=dict)
+    # (op, args, attrs, dtype) -> the node computing it: a value computed twice (traces
+    # recompute masks, casts, views) is one tensor, so relations found for it hold for all
+    # its uses. Collectives are events, never merged.
+    memo: dict[Any, str] = field(default_factory=dict)
 
     def type(self, ref: str) -> TensorType:
         return self.graph.type_of(ref)
@@ -49,6 +53,11 @@ class Builder:
                 k += 1
                 name = f"{base}{k}"
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
+        key = None if spec.kind == "collective" else (op, tuple(args), _frozen(attrs), out.dtype)
+        if key is not None and key in self.memo:
+            return self.memo[key]
+        if key is not None:
+            self.memo[key] = name
         self.graph.nodes.append(Node(name, op, list(args), attrs, out, self.source, self.origin))
         self.graph._index = None
         return name
@@ -75,6 +84,16 @@ class Builder:
 
     def transpose(self, ref: str, i: int, j: int) -> str:
         return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
+
+
+def _frozen(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_frozen(x) for x in v)
+    if isinstance(v, float) and v != v:
+        return "nan"  # NaN != NaN would defeat the lookup
+    return v
 
 
 def normalize_dim(d: int, ndim: int) -> int:
@@ -111,12 +130,13 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
     """The core graph, and the map from each user tensor name to its core tensor name."""
     core = Graph(list(graph.inputs), [], [], graph.name)
     rename: dict[str, str] = {i.name: i.name for i in graph.inputs}
+    memo: dict[Any, str] = {}
     for n in graph.nodes:
         op = registry.ops.get(n.op)
         if op is None:
             raise UnsupportedOp(f"op {n.op!r} (node {n.name!r}) has no rule family and no decomposition")
         args = [rename[a] if isinstance(a, str) else a for a in n.args]
-        b = Builder(registry, core, origin=n.origin or n.name, source=n.source)
+        b = Builder(registry, core, origin=n.origin or n.name, source=n.source, memo=memo)
         ins = [core.type_of(a) for a in args if isinstance(a, str)]
         attrs = normalize_attrs(op, n.attrs, ins)
         if op.kind == "identity":
@@ -130,7 +150,6 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
             continue
         if not op.core and op.kind != "collective":
             raise UnsupportedOp(f"op {n.op!r} (node {n.name!r}) is not a core op and has no decomposition")
-        b.emit(n.op, args, attrs, n.type, name=n.name)
-        rename[n.name] = n.name
+        rename[n.name] = b.emit(n.op, args, attrs, n.type, name=n.name)
     core.outputs = [type(o)(o.name, rename[o.ref], o.role, o.of) for o in graph.outputs]
     return core, rename

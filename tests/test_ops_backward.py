@@ -327,9 +327,6 @@ def test_cross_entropy_with_row_sharded_logits(tmp_path: Path, symbolic: bool) -
     assert bug.culprit is not None and bug.culprit.node == "loss", str(bug)
 
 
-@pytest.mark.xfail(strict=True, reason="refine.prove follows one rank tensor per value: the count's recomputed "
-                   "ne(tgt, -100) relates to the first one's rank tensors, whose users do not include the count's "
-                   "sum; lowering needs common-subexpression elimination (refine.normalize.Builder.emit)")
 def test_cross_entropy_with_a_recomputed_mask(tmp_path: Path) -> None:
     good = _run(tmp_path, cross_entropy_dp(False, recompute_mask=True), int_bound=5)
     assert good.refines, str(good)
