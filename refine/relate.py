@@ -192,7 +192,32 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             dist.relations.append(guess)
         else:
             raise InputError(file, "$.relations", f"no relation for sequential input {inp.name!r}, and no rank input of that name and shape")
+    join_congruent(prog)
     return out
+
+
+def join_congruent(prog: DistProgram) -> None:
+    """Rank tensors defined by the same op over tensors known to be equal are equal: e.g.
+    permute(dy) on every rank of a replicated dy. Repeats until nothing new joins (a
+    collective's definition reads other ranks' tensors, defined later in program order)."""
+    changed = True
+    while changed:
+        changed = False
+        seen: dict[Term, str] = {}
+        for name, d in prog.defs.items():
+            if d is None:
+                continue
+            key = _canon(d, prog.same.find)
+            other = seen.setdefault(key, name)
+            if other != name and prog.same.find(other) != prog.same.find(name):
+                prog.same.union(other, name)
+                changed = True
+
+
+def _canon(t: Term, find: Callable[[str], str]) -> Term:
+    if t.op == "D":
+        return Term("D", (), (find(t.attrs[0]),))
+    return Term(t.op, tuple(_canon(a, find) for a in t.args), t.attrs)
 
 
 def _placed(rel: Relation, mesh: Mesh, prog: DistProgram) -> Term:

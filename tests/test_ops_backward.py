@@ -89,7 +89,7 @@ def row_parallel_dp(bug: bool, permuted_on_ranks: bool = False) -> Case:
     """A row-parallel linear (w [H, F] split by input features) on a dp x tp mesh, tokens
     split over dp: the weight grad dy.T @ x sums over the tokens, so each tp piece is the
     Sum over the dp ranks (all_reduce over the dp group); the input grad needs nothing.
-    The upstream grad also comes in transposed (`dyt` = dy.T, [H, T]): see the xfail test."""
+    The upstream grad also comes in transposed (`dyt` = dy.T, [H, T]); the next test transposes it on the ranks."""
     T, F, H = 4, 4, 3
     s = GraphBuilder()
     x, w = s.input("x", [T, F]), s.input("w", [H, F], role="parameter")
@@ -123,9 +123,6 @@ def test_row_parallel_weight_grad_sums_over_data_parallel_ranks(tmp_path: Path) 
     assert _failing(bug) == {"dw"}, str(bug)
 
 
-@pytest.mark.xfail(strict=True, reason="refine.prove: a rank tensor computed from a replica (here permute(dy) on "
-                   "the two tp ranks of one dp rank) is not known as a replica, so the frontier never adds the "
-                   "other tp rank's product")
 def test_row_parallel_weight_grad_of_a_replicated_intermediate(tmp_path: Path) -> None:
     good = _run(tmp_path, row_parallel_dp(False, permuted_on_ranks=True))
     assert good.refines, str(good)
