@@ -73,6 +73,10 @@ class Engine:
         for op in self.core.values():
             if op.egglog_shape:
                 lines.append(_in_ruleset(op.egglog_shape, "shapes"))
+            elif op.kind in ("unary", "elementwise"):
+                # same-shape ops: the result has its first argument's shape
+                xs = " ".join(f"x{i}" for i in range(op.inputs)) + "".join(f" a{i}" for i in range(len(op.attrs)))
+                lines.append(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) :ruleset shapes)")
         for r in self.registry.rules:
             if self.symbolic and not r.symbolic:
                 continue
