@@ -265,6 +265,10 @@ class SeedGen:
             return [], (r.choice([0.0, 1.5]), x)
         if name in ("Sum", "Max"):
             return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
+        if op.inputs > 0 and all(k.rstrip("?") == "dim" for _, k in op.attrs):
+            # an op from a rule file refine has no sampler for: same-shape float arguments
+            # and a random dim for each dim attribute
+            return [(x, "f", 0)] * op.inputs, tuple(r.randrange(len(x)) for _ in op.attrs)
         return None
 
     def build(self, name: str, args: list[Term], attrs: tuple[Any, ...]) -> Term:

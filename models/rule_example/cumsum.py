@@ -1,0 +1,35 @@
+"""A rule family for `cumsum` (running sum along a dim): the worked example of rules/README.md.
+
+The op is core (an egglog constructor), so refine needs rules for how it meets the relation
+language. A running sum along dim d2 treats every other dim independently, so a concat or a
+slice along another dim passes through it. Along d2 itself it does not (the second block
+needs the first block's total), and no rule claims it: refine then reports the node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from refine.ir import TensorType
+from refine.opset import Op, ShapeError, rewrite
+
+
+def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    if not 0 <= attrs["dim"] < x.ndim:
+        raise ShapeError(f"cumsum over dim {attrs['dim']} of {list(x.shape)}")
+    return x
+
+
+OPS = [
+    Op("cumsum", 1, _shape, (("dim", "dim"),), ref=lambda x, dim: torch.cumsum(x, dim), core=True,
+       egglog_shape="(rule ((= e (cumsum x d)) (= s (shape x))) ((set (shape e) s)))",
+       doc="running sum along dim"),
+]
+
+RULES = [
+    rewrite("cumsum-over-cat", "(cumsum (cat a b d) d2)", "(cat (cumsum a d2) (cumsum b d2) d)", "(!= d d2)"),
+    rewrite("slice-into-cumsum", "(slice (cumsum x d2) d s e)", "(cumsum (slice x d s e) d2)", "(!= d d2)"),
+]
