@@ -3,10 +3,24 @@
     from refine import check_files
     report = check_files("seq.json", "dist.json")
     assert report.refines, report
+
+    from refine import capture, check          # from real PyTorch code (refine.capture)
+    report = check(*capture(spec))
 """
+
+from typing import Any
 
 from refine.check import check, check_files
 from refine.format import InputError
 from refine.report import Report
 
-__all__ = ["InputError", "Report", "check", "check_files"]
+__all__ = ["InputError", "Report", "capture", "check", "check_files"]
+
+
+def __getattr__(name: str) -> Any:
+    # refine.capture imports torch's tracing machinery: load it only when asked for
+    if name == "capture":
+        import refine.capture as capture
+
+        return capture
+    raise AttributeError(f"module 'refine' has no attribute {name!r}")

@@ -1,0 +1,87 @@
+"""Capture a real PyTorch training step, sequential and per rank, and check it with refine.
+
+    from refine import capture, check
+
+    case = capture(capture.Spec(sequential=capture.Step(model, train_step, inputs),
+                                rank=lambda r: capture.Step(tp_model(r), train_step, inputs),
+                                world_size=2))
+    report = check(*case)           # or case.check(), which also flags shape-guessed shards
+    case.write("case/")             # seq.json + dist.json for `refine check`
+
+Rank code annotates its parameters and inputs once (`capture.shard(w, 0)`,
+`capture.replicate(...)`, `capture.partial(...)`, `capture.layout(...)`); anything not
+annotated is matched by name and its placement guessed from shapes. See refine.capture.case
+for the outputs and expectations, refine.capture.aten for the op mapping.
+
+The module itself is callable: `capture(spec)` is `capture.capture(spec)`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from refine.capture.annotate import Annotation, layout, partial, replicate, shard
+from refine.capture.case import Case, Spec, capture
+from refine.capture.errors import CaptureError
+from refine.capture.trace import Step, exception_source, fake_process_group
+
+__all__ = ["Annotation", "CaptureError", "Case", "Spec", "Step", "capture", "fake_process_group", "layout",
+           "load_target", "partial", "replicate", "shard"]
+
+
+def load_target(target: str, world_size: int | None = None) -> Spec | Case:
+    """Run `FILE.py:FUNC` (the CLI's argument) and return its Spec or Case. FUNC gets
+    `world_size=` when it takes one; otherwise the Spec must have that world size."""
+    file, sep, func = target.rpartition(":")
+    if not sep or not file or not func:
+        raise CaptureError(f"expected FILE.py:FUNC, got {target!r}")
+    path = Path(file)
+    if not path.is_file():
+        raise CaptureError(f"{file}: no such file")
+    name = f"refine_capture_target_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise CaptureError(f"{file}: cannot import it as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise CaptureError(f"{file}: importing it failed: {type(e).__name__}: {e}", exception_source(e)) from e
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == name)
+        raise CaptureError(f"{file} has no function {func!r} (functions: {', '.join(found) or 'none'})")
+    kwargs: dict[str, Any] = {}
+    if world_size is not None and "world_size" in inspect.signature(fn).parameters:
+        kwargs["world_size"] = world_size
+    try:
+        result = fn(**kwargs)
+    except CaptureError:
+        raise
+    except Exception as e:
+        raise CaptureError(f"{target}: {type(e).__name__}: {e}", exception_source(e)) from e
+    if not isinstance(result, (Spec, Case)):
+        raise CaptureError(f"{target} returned a {type(result).__name__}; it must return a refine.capture.Spec")
+    got = result.world_size if isinstance(result, Spec) else result.stats.get("ranks")
+    if world_size is not None and got != world_size:
+        raise CaptureError(f"{target} makes a case of {got} ranks, not {world_size} (and takes no world_size)")
+    return result
+
+
+class _CallableModule(types.ModuleType):
+    """`from refine import capture; capture(spec)` and `capture.shard(...)` both read naturally."""
+
+    def __call__(self, spec: Spec, registry: Any = None) -> Case:
+        return capture(spec, registry)
+
+
+sys.modules[__name__].__class__ = _CallableModule

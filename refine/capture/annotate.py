@@ -1,0 +1,127 @@
+"""Annotations: how a rank's tensor holds the sequential tensor it is a piece of.
+
+Annotate once per parameter or input, where it is made, like Megatron marks its parallel
+parameters:
+
+    self.weight = capture.shard(nn.Parameter(torch.empty(out // world, inp)), 0)
+    x = capture.shard(batch[rank * b:(rank + 1) * b], 0, axis="dp")
+    capture.replicate("ln.weight")          # by name, inside the rank's factory
+
+Each call returns its tensor. On a mesh of several axes say which axis; calls for different
+axes add up (axes not named are Replicate). `seq=` names the sequential input when the rank
+tensor is named differently. Tensors nobody annotates are matched by name and their
+placement is guessed from the shapes (and the guess is reported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+
+from refine.capture.errors import CaptureError
+
+ATTR = "_refine_capture"
+T = TypeVar("T", torch.Tensor, str)
+
+
+@dataclass(frozen=True)
+class Annotation:
+    placements: tuple[tuple[str | None, str], ...] = ()  # (mesh axis, or None for the only one; placement)
+    layout: str | None = None  # a relation expression over rank inputs, `name@rank`
+    seq: str | None = None  # the sequential input, when named differently
+
+    def describe(self) -> str:
+        if self.layout is not None:
+            return f"layout {self.layout}"
+        return ", ".join(p if a is None else f"{p} on {a}" for a, p in self.placements) or "Replicate"
+
+
+_BY_NAME: ContextVar[dict[str, Annotation] | None] = ContextVar("refine_capture_names", default=None)
+
+
+@contextmanager
+def collecting() -> Iterator[dict[str, Annotation]]:
+    """Name annotations made while this is active (a rank's factory and its step) land here."""
+    found: dict[str, Annotation] = {}
+    token = _BY_NAME.set(found)
+    try:
+        yield found
+    finally:
+        _BY_NAME.reset(token)
+
+
+def _merge(old: Annotation | None, new: Annotation, what: str) -> Annotation:
+    if old is None:
+        return new
+    if (old.layout is None) != (new.layout is None) or (old.layout and new.layout and old.layout != new.layout):
+        raise CaptureError(f"{what} is annotated twice, with a layout and another annotation")
+    if old.seq and new.seq and old.seq != new.seq:
+        raise CaptureError(f"{what} is annotated as a piece of {old.seq!r} and of {new.seq!r}")
+    axes = {a for a, _ in new.placements}
+    kept = tuple((a, p) for a, p in old.placements if a not in axes)
+    return replace(new, placements=kept + new.placements, seq=new.seq or old.seq)
+
+
+def _annotate(target: T, ann: Annotation) -> T:
+    if isinstance(target, str):
+        names = _BY_NAME.get()
+        if names is None:
+            raise CaptureError(f"capture annotation of {target!r} by name outside a capture: annotate the tensor "
+                               "itself, or call this while refine builds a rank (in the rank factory)")
+        names[target] = _merge(names.get(target), ann, repr(target))
+        return target
+    if not isinstance(target, torch.Tensor):
+        raise CaptureError(f"capture annotations take a tensor or a name, got {type(target).__name__}")
+    setattr(target, ATTR, _merge(getattr(target, ATTR, None), ann, "a tensor"))
+    return target
+
+
+def shard(target: T, dim: int, axis: str | None = None, *, seq: str | None = None) -> T:
+    """`target` is the piece of the sequential tensor along `dim` (rank order along `axis`)."""
+    return _annotate(target, Annotation(((axis, f"Shard({int(dim)})"),), seq=seq))
+
+
+def replicate(target: T, axis: str | None = None, *, seq: str | None = None) -> T:
+    """Every rank (along `axis`, or all) holds the whole sequential tensor."""
+    return _annotate(target, Annotation(((axis, "Replicate"),), seq=seq))
+
+
+def partial(target: T, reduce: str = "sum", axis: str | None = None, *, seq: str | None = None) -> T:
+    """The sequential tensor is the sum (or max) of the ranks' tensors along `axis`."""
+    if reduce not in ("sum", "max"):
+        raise CaptureError(f"partial({reduce!r}): refine knows Partial(sum) and Partial(max)")
+    return _annotate(target, Annotation(((axis, f"Partial({reduce})"),), seq=seq))
+
+
+def layout(target: T, expr: str, *, seq: str | None = None) -> T:
+    """An explicit relation for fused weights: `expr` over rank inputs `name@rank` equals the
+    sequential tensor, e.g. "cat(slice(qkv@0, 0, 0, 4), slice(qkv@1, 0, 0, 4), dim=0)"."""
+    return _annotate(target, Annotation(layout=str(expr), seq=seq))
+
+
+def annotation_of(t: Any) -> Annotation | None:
+    return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def placements_on(ann: Annotation, axes: list[str], what: str) -> list[str]:
+    """One placement per mesh axis (axes the annotation does not name are Replicate)."""
+    out = {a: "Replicate" for a in axes}
+    for axis, p in ann.placements:
+        if axis is None and p == "Replicate":
+            out = {a: "Replicate" for a in axes}  # replicate(t): on every axis
+            continue
+        if axis is None:
+            if len(axes) != 1:
+                raise CaptureError(f"{what} is annotated {p} without an axis, but the mesh has axes "
+                                   f"{', '.join(axes)}: say which one (axis=...)")
+            axis = axes[0]
+        if axis not in out:
+            raise CaptureError(f"{what} is annotated {p} on axis {axis!r}, which the mesh does not have "
+                               f"(axes: {', '.join(axes)})")
+        out[axis] = p
+    return [out[a] for a in axes]

@@ -1,0 +1,290 @@
+"""From traced aten ops to refine ops: the decomposition table and the whole mapping.
+
+Tracing runs with `DECOMPOSITIONS`, so backward formulas arrive as ops refine knows
+(gelu_backward as erf/exp/mul, native_layer_norm_backward as mul/sum/sub, ...).
+
+The mapping is generic: an aten op becomes the refine op of its base name (`aten.mul.Tensor`
+-> `mul`); its tensor arguments stay positional, in schema order; an argument the refine op
+declares as an attribute becomes that attribute (named as in the aten schema unless
+`ATTR_ALIASES` renames it); any other number argument becomes a number literal argument
+(`pow(x, 2)`). Arguments in `IGNORED` never change values and are dropped, and so is an
+argument at its schema default; anything else refine cannot express is an error, never
+silently dropped. The exceptions are the tables below: `ALIASES` (another refine name),
+`IDENTITY` (ops returning their input's value), `SPECIAL` (ops that need a few refine nodes
+or have several outputs) and the collectives. An in-place op (`div_`) maps like its
+out-of-place twin: tracing hands the mutated tensor's later readers the op's result, and
+refine.capture.convert refuses graphs where a stale alias of it is read afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._decomp import core_aten_decompositions
+
+if TYPE_CHECKING:
+    from refine.capture.convert import Emitter
+
+DECOMPOSITIONS = core_aten_decompositions()
+
+# aten base name -> refine op (same semantics, other name)
+ALIASES: dict[str, str] = {
+    "view": "reshape",
+    "expand": "expand_as_shape",
+}
+
+# refine op -> {aten argument name: refine attribute name}
+ATTR_ALIASES: dict[str, dict[str, str]] = {
+    "reshape": {"size": "shape"},
+    "_unsafe_view": {"size": "shape"},
+    "expand_as_shape": {"size": "shape"},
+}
+
+# arguments that never change a value
+IGNORED = {"memory_format", "layout", "device", "pin_memory", "non_blocking", "implicit", "half_to_float"}
+
+# ops whose output is their first input's value. A float-to-float cast is one (refine
+# reasons about real-valued semantics); any other cast is refused.
+IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "resolve_conj",
+            "resolve_neg"}
+WAITS = {"_c10d_functional::wait_tensor"}  # waiting on a functional collective: its value
+
+# collectives, by qualified name. Functional ones return the result; legacy c10d ones
+# mutate their tensor (list) and return (tensors, work): the converter follows the getitems.
+FUNCTIONAL_COLLECTIVES = {
+    "_c10d_functional::all_reduce": "all_reduce",
+    "_c10d_functional::all_reduce_": "all_reduce",
+    "_c10d_functional::all_gather_into_tensor": "all_gather",
+    "_c10d_functional::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional::all_to_all_single": "all_to_all",
+    "_c10d_functional::broadcast": "broadcast",
+    "_c10d_functional::broadcast_": "broadcast",
+    "_c10d_functional_autograd::all_to_all_single": "all_to_all",
+    "_c10d_functional_autograd::reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional_autograd::all_gather_into_tensor": "all_gather",
+}
+LEGACY_COLLECTIVES = {
+    "c10d::allreduce_": "all_reduce",
+    "c10d::broadcast_": "broadcast",
+    "c10d::_allgather_base_": "all_gather",
+    "c10d::_reduce_scatter_base_": "reduce_scatter",
+}
+
+# torch dtypes, as refine's format names them
+DTYPES = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.float64: "float64", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+    torch.uint8: "uint8", torch.int8: "int8",
+}
+
+REDUCE_OPS = ("sum", "avg", "max")
+
+
+def qualified(target: Any) -> tuple[str, str]:
+    """(namespace::name, overload): aten.add.Tensor -> ("aten::add", "Tensor")."""
+    return target._schema.name, target._overloadname
+
+
+def base_name(target: Any) -> str:
+    return target._schema.name.partition("::")[2]
+
+
+def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments by schema name, defaults filled in."""
+    out: dict[str, Any] = {}
+    schema = target._schema.arguments
+    for i, a in enumerate(schema):
+        if i < len(args) and not a.kwarg_only:
+            out[a.name] = args[i]
+        elif a.name in kwargs:
+            out[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Special ops. A handler gets the emitter, the FX node, its bound arguments and (for ops
+# with several outputs) the index of the output wanted; it returns the refine ref.
+
+Handler = Callable[..., Any]
+
+
+def _out_shape(em: Emitter, node: Any, index: int | None = None) -> tuple[int, ...]:
+    val = node.meta["val"]
+    if index is not None:
+        val = val[index]
+    return tuple(int(s) for s in val.shape)
+
+
+def _out_dtype(em: Emitter, node: Any, index: int | None = None) -> str:
+    val = node.meta["val"]
+    if index is not None:
+        val = val[index]
+    return em.dtype(val.dtype)
+
+
+def _full(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """full / full_like / zeros / ones / scalar_tensor: a constant of the traced shape."""
+    name = base_name(node.target)
+    value = {"zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "zero": 0.0, "ones": 1.0, "ones_like": 1.0,
+             "new_ones": 1.0}.get(name.rstrip("_"))
+    if value is None:
+        value = a.get("fill_value", a.get("value", a.get("s")))
+    if not isinstance(value, (int, float, bool)):
+        raise em.fail(f"{name} with a non-constant fill value")
+    return em.emit("full", [], {"value": float(value), "shape": list(_out_shape(em, node))})
+
+
+def _copy(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """copy_(self, src): self's new value is src, broadcast to self's shape."""
+    src = em.value(a["src"])
+    if em.type(src).shape == _out_shape(em, node):
+        return src  # type: ignore[return-value]
+    return em.emit("expand_as_shape", [src], {"shape": list(_out_shape(em, node))})
+
+
+def _index_put(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """index_put(self, [index], values, accumulate): refine's takes one index tensor, over dim 0."""
+    idx = a["indices"]
+    if len(idx) != 1 or idx[0] is None:
+        raise em.fail(f"index_put with indices {idx}: refine's index_put takes one index tensor, over dim 0")
+    args = [em.value(a["self"]), em.value(idx[0]), em.value(a["values"])]
+    return em.emit("index_put", args, {"accumulate": bool(a.get("accumulate", False))})
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d % max(ndim, 1)
+
+
+def _slice(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    x = em.value(a["self"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    n = shape[d]
+    start = 0 if a["start"] is None else a["start"]
+    end = n if a["end"] is None else a["end"]
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    if (a.get("step") or 1) != 1:
+        raise em.fail(f"slice with step {a['step']}: refine slices take step 1")
+    if start == 0 and end == n:
+        return x
+    return em.emit("slice", [x], {"dim": d, "start": start, "end": end})
+
+
+def _select(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    x = em.value(a["self"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    i = a["index"] + shape[d] if a["index"] < 0 else a["index"]
+    s = em.emit("slice", [x], {"dim": d, "start": i, "end": i + 1}, final=False)
+    return em.emit("reshape", [s], {"shape": list(_out_shape(em, node))})
+
+
+def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    xs = [em.value(t) for t in a["tensors"]]
+    xs = [x for x in xs if em.type(x).shape != (0,)]  # torch.cat skips empty 1-d tensors
+    d = _dim(a["dim"], len(em.type(xs[0]).shape))
+    if len(xs) == 1:
+        return xs[0]
+    return em.emit("concat", xs, {"dim": d})
+
+
+def _split(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    """split / split_with_sizes / unbind: output `index` is a slice (unbind: then a reshape)."""
+    x = em.value(a["self"])
+    shape = em.type(x).shape
+    d = _dim(a.get("dim") or 0, len(shape))
+    name = base_name(node.target)
+    if name == "unbind":
+        s = em.emit("slice", [x], {"dim": d, "start": index, "end": index + 1}, final=False)
+        return em.emit("reshape", [s], {"shape": list(_out_shape(em, node, index))}, index=index)
+    if name == "split_with_sizes":
+        sizes = list(a["split_sizes"])
+    else:
+        k = a["split_size"]
+        sizes = [min(k, shape[d] - s) for s in range(0, shape[d], k)]
+    start = sum(sizes[:index])
+    if start == 0 and sizes[index] == shape[d]:
+        return x
+    return em.emit("slice", [x], {"dim": d, "start": start, "end": start + sizes[index]}, index=index)
+
+
+def _moments(em: Emitter, x: str, dims: list[int], correction: float = 0) -> tuple[str, str]:
+    """mean and variance of x over `dims`, kept; in refine ops."""
+    shape = em.type(x).shape
+    mean = em.emit("mean", [x], {"dim": dims, "keepdim": True}, final=False, suffix="mean")
+    centred = em.emit("sub", [x, mean], {}, final=False, suffix="centred")
+    sq = em.emit("mul", [centred, centred], {}, final=False, suffix="sq")
+    var = em.emit("mean", [sq], {"dim": dims, "keepdim": True}, final=False, suffix="var")
+    if correction:
+        n = math.prod(shape[d] for d in dims)
+        var = em.emit("mul", [var, n / (n - correction)], {}, final=False, suffix="var_corrected")
+    return mean, var
+
+
+def _native_layer_norm(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    """Output 0: refine's layer_norm; 1 and 2: the statistics its decomposed backward reads
+    (mean and 1/sqrt(var + eps) over the normalized dims, kept)."""
+    x = em.value(a["input"])
+    ns, eps = list(a["normalized_shape"]), float(a["eps"])
+    if index == 0:
+        args = [x]
+        w, b = a["weight"], a["bias"]
+        if w is not None or b is not None:
+            args.append(em.value(w) if w is not None else em.emit("full", [], {"value": 1.0, "shape": ns}, final=False))
+            if b is not None:
+                args.append(em.value(b))
+        return em.emit("layer_norm", args, {"normalized_shape": ns, "eps": eps}, index=0)
+    stat = "layer_norm_mean" if index == 1 else "layer_norm_rstd"
+    return em.emit(stat, [x], {"normalized_shape": ns, "eps": eps}, index=index)
+
+
+def _var_mean(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    x = em.value(a["self"])
+    ndim = len(em.type(x).shape)
+    dims = list(range(ndim)) if not a.get("dim") else [_dim(d, ndim) for d in a["dim"]]
+    correction = a.get("correction")
+    correction = 1 if correction is None else correction
+    mean, var = em.cached((node, "moments"), lambda: _moments(em, x, dims, correction))
+    return em.emit("reshape", [var if index == 0 else mean], {"shape": list(_out_shape(em, node, index))},
+                   index=index)
+
+
+def _max_dim(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    if index != 0:
+        raise em.fail("the indices output of max.dim (argmax): refine has no op for it")
+    return em.emit("amax", [em.value(a["self"])], {"dim": [a["dim"]], "keepdim": bool(a["keepdim"])}, index=0)
+
+
+def _max(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    return em.emit("amax", [em.value(a["self"])], {})
+
+
+def _transpose(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    x = em.value(a["self"])
+    ndim = len(em.type(x).shape)
+    i, j = _dim(a["dim0"], ndim), _dim(a["dim1"], ndim)
+    if i == j:
+        return x
+    return em.emit("transpose", [x], {"dim0": i, "dim1": j})
+
+
+# base name -> handler; MULTI handlers take the output index
+SPECIAL: dict[str, Handler] = {
+    "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
+    "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
+    "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
+    "slice": _slice, "select": _select, "cat": _cat, "transpose": _transpose,
+}
+SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
+MULTI: dict[str, Handler] = {
+    "split": _split, "split_with_sizes": _split, "unbind": _split,
+    "native_layer_norm": _native_layer_norm, "var_mean": _var_mean, "max": _max_dim,
+}

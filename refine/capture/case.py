@@ -1,0 +1,372 @@
+"""Capture a whole training step, sequential and per rank, as a checkable pair of documents.
+
+    spec = Spec(sequential=Step(model, train_step, {"x": x, "target": t}),
+                rank=lambda r: Step(tp_model(r), train_step, {"x": x, "target": t}),
+                world_size=2)
+    case = capture(spec)            # traces, translates, derives relations, validates
+    report = case.check()           # or refine.check(*case)
+    case.write("case/")             # case/seq.json, case/dist.json
+
+Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
+a gradient. Expectations: the loss is Replicate and equal to the sequential loss; each
+gradient is placed like its parameter. Input relations come from annotations
+(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from refine.build import write_case
+from refine.capture.annotate import Annotation, collecting, placements_on
+from refine.capture.convert import Converted, convert
+from refine.capture.errors import CaptureError
+from refine.capture.trace import Step, Traced, fake_process_group, trace_step
+from refine.format import FORMAT, VERSION, InputError, load_dist, load_seq
+from refine.ir import Dist, Graph
+from refine.opset import Registry, load_registry
+from refine.report import Report
+
+
+@dataclass
+class Spec:
+    """What to capture. `rank(r)` runs inside rank r's (fake) process group, so it may call
+    `dist.get_rank()` and `dist.new_group(...)`; it returns that rank's Step. `mesh` names
+    the axes (sizes multiply to `world_size`, ranks row-major); default one axis "world"."""
+
+    sequential: Step | Callable[[], Step]
+    rank: Callable[[int], Step]
+    world_size: int = 2
+    mesh: dict[str, int] | None = None
+    name: str = "case"
+    replay: bool = True  # check the captured sequential graph against an eager float64 run
+
+    def axes(self) -> dict[str, int]:
+        mesh = dict(self.mesh or {"world": self.world_size})
+        size = 1
+        for s in mesh.values():
+            size *= s
+        if size != self.world_size:
+            raise CaptureError(f"mesh {mesh} has {size} ranks but world_size is {self.world_size}")
+        return mesh
+
+
+@dataclass
+class Case:
+    """A captured pair: the documents, the loaded graphs, and what capture guessed."""
+
+    name: str
+    seq_doc: dict[str, Any]
+    dist_doc: dict[str, Any]
+    seq: Graph
+    dist: Dist
+    registry: Registry
+    guesses: list[str] = field(default_factory=list)  # relations derived from names and shapes only
+    notes: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Any]:
+        # refine.check(*case) takes (seq, dist, registry)
+        return iter((self.seq, self.dist, self.registry))
+
+    def check(self) -> Report:
+        from refine.check import check
+
+        report = check(self.seq, self.dist, self.registry, f"{self.name}/seq.json", f"{self.name}/dist.json")
+        # the JSON format cannot mark a placed relation as guessed; the report still says so
+        named = {g.split(":")[0] for g in report.guesses}
+        report.guesses += [g for g in self.guesses if g.split(":")[0] not in named]
+        return report
+
+    def write(self, directory: str | Path) -> None:
+        write_case(directory, self.seq_doc, self.dist_doc)
+
+    def summary(self) -> str:
+        s = self.stats
+        lines = [f"captured {self.name}: sequential step {s['seq_nodes']} nodes; {s['ranks']} ranks "
+                 f"(mesh {', '.join(f'{a}={n}' for a, n in s['mesh'].items())}), "
+                 f"{s['rank_nodes']} nodes, {s['collectives']} collectives; {s['seconds']} s"]
+        lines.append("outputs: " + ", ".join(o["name"] for o in self.seq_doc["graph"]["outputs"]))
+        lines.append("relations:")
+        guessed = {g.split(":")[0] for g in self.guesses}
+        for r in self.dist_doc["relations"]:
+            how = r.get("layout") or "[" + ", ".join(r["placements"]) + "]"
+            local = f" (rank input {r['input']})" if "input" in r else ""
+            lines.append(f"  {r['from']}{local}: {how}" + ("  GUESSED" if r["from"] in guessed else ""))
+        explicit = {r["from"] for r in self.dist_doc["relations"]}
+        for g in self.guesses:
+            if g.split(":")[0] not in explicit:
+                lines.append(f"  {g}  GUESSED")
+        lines += [f"note: {n}" for n in self.notes]
+        ops = ", ".join(f"{k} x{v}" for k, v in sorted(s["aten_ops"].items()))
+        lines.append(f"aten ops: {ops}")
+        return "\n".join(lines)
+
+
+@dataclass
+class _Rank:
+    traced: Traced
+    converted: Converted
+    annotations: dict[str, Annotation]
+
+
+def capture(spec: Spec, registry: Registry | None = None) -> Case:
+    """Trace the sequential step and every rank's, translate them to refine graphs, derive the
+    input relations and the output expectations, and validate the pair with refine's loader."""
+    t0 = time.perf_counter()
+    if not isinstance(spec, Spec):
+        raise CaptureError(f"capture takes a refine.capture.Spec, got {type(spec).__name__}")
+    registry = registry or load_registry()
+    mesh = spec.axes()
+    seq_step = spec.sequential if isinstance(spec.sequential, Step) else spec.sequential()
+    with collecting() as named:
+        seq_tr = trace_step(seq_step, "the sequential step")
+    if named:
+        raise CaptureError(f"the sequential step annotates {sorted(named)}: annotations describe rank tensors")
+    seq_cv = convert(seq_tr, registry, "the sequential step")
+    t_seq = time.perf_counter() - t0
+    ranks: dict[int, _Rank] = {}
+    for r in range(spec.world_size):
+        where = f"rank {r}"
+        with fake_process_group(r, spec.world_size), collecting() as named:
+            try:
+                step = spec.rank(r)
+            except CaptureError:
+                raise
+            except Exception as e:
+                from refine.capture.trace import exception_source
+
+                raise CaptureError(f"{where}: the rank factory failed: {type(e).__name__}: {e}",
+                                   exception_source(e)) from e
+            tr = trace_step(step, where)
+            cv = convert(tr, registry, where)
+        names = {n for n, _, _ in tr.inputs}
+        unknown = sorted(set(named) - names)
+        if unknown:
+            raise CaptureError(f"{where}: annotated {unknown}, which are not inputs of the rank's step "
+                               f"(parameters, buffers and inputs: {', '.join(sorted(names))})")
+        ranks[r] = _Rank(tr, cv, tr.annotations | named)
+    t_ranks = time.perf_counter() - t0 - t_seq
+
+    notes: list[str] = []
+    relations, placed, guesses = _relations(seq_cv, ranks, mesh)
+    expectations = _expectations(seq_tr, ranks, placed, mesh, notes)
+    seq_doc = {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": seq_cv.graph}
+    dist_doc = {
+        "format": FORMAT, "version": VERSION, "kind": "distributed",
+        "mesh": {"axes": [{"name": a, "size": n} for a, n in mesh.items()]},
+        "ranks": [{"rank": r, "graph": rk.converted.graph} for r, rk in sorted(ranks.items())],
+        "relations": relations, "expectations": expectations,
+    }
+    seq, dist = _load(seq_doc, dist_doc, registry)
+    if spec.replay:
+        _replay(seq_step, seq_tr, seq_cv, seq, registry, notes)
+    aten_ops: Counter[str] = Counter(seq_cv.aten_ops)
+    for rk in ranks.values():
+        aten_ops.update(rk.converted.aten_ops)
+    stats = {
+        "seconds": round(time.perf_counter() - t0, 2), "trace_seq_seconds": round(t_seq, 2),
+        "trace_ranks_seconds": round(t_ranks, 2), "seq_nodes": len(seq.nodes),
+        "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()), "ranks": spec.world_size, "mesh": mesh,
+        "collectives": sum(1 for g in dist.ranks.values() for n in g.nodes
+                           if registry.ops[n.op].kind == "collective"),
+        "aten_ops": dict(aten_ops),
+    }
+    return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats)
+
+
+def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
+               ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str]]:
+    """A relation per sequential input; `placed`: input -> (rank input, placements or None
+    for a layout). Replicate guesses are left out of the document: the checker makes the
+    same guess and flags it."""
+    axes = list(mesh)
+    relations: list[dict[str, Any]] = []
+    placed: dict[str, tuple[str, list[str] | None]] = {}
+    guesses: list[str] = []
+    rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
+    for inp in seq_cv.graph["inputs"]:
+        s = inp["name"]
+        if s in seq_cv.constants:
+            missing = [r for r in ranks if s not in rank_inputs[r]]
+            if missing:
+                raise CaptureError(f"the sequential step uses a constant tensor {list(inp['shape'])} ({s}) that rank "
+                                   f"{missing[0]} does not use: make it a buffer or an input of both, and annotate it")
+            relations.append({"from": s, "placements": ["Replicate"] * len(axes)})  # equal contents, equal name
+            placed[s] = (s, ["Replicate"] * len(axes))
+            continue
+        local = _local_name(s, ranks, rank_inputs)
+        anns = {r: ranks[r].annotations.get(local) for r in ranks}
+        distinct = {a.layout if a and a.layout else tuple(a.placements) if a else None for a in anns.values()}
+        if len(distinct) > 1:
+            shown = "; ".join(f"rank {r}: {a.describe() if a else 'none'}" for r, a in sorted(anns.items()))
+            raise CaptureError(f"{local!r} is annotated differently on different ranks ({shown})")
+        ann = anns[min(anns)]
+        rel: dict[str, Any] = {"from": s}
+        if local != s:
+            rel["input"] = local
+        if ann is not None and ann.layout is not None:
+            relations.append({"from": s, "layout": ann.layout})
+            placed[s] = (local, None)
+            continue
+        if ann is not None:
+            pl = placements_on(ann, axes, repr(local))
+            relations.append(rel | {"placements": pl})
+            placed[s] = (local, pl)
+            continue
+        shapes = {tuple(rank_inputs[r][local]["shape"]) for r in ranks}
+        if len(shapes) != 1:
+            raise CaptureError(f"{local!r} has shapes {sorted(map(list, shapes))} on different ranks: refine cannot "
+                               "guess its relation; annotate it (refine.capture.shard/replicate/layout)")
+        (shape,) = shapes
+        pl, why = _guess(tuple(inp["shape"]), shape, mesh)
+        if pl is None:
+            raise CaptureError(f"cannot guess how {local!r} {list(shape)} on the ranks holds the sequential "
+                               f"{s!r} {list(inp['shape'])}: {why}; annotate it (refine.capture.shard/replicate/layout)")
+        desc = ", ".join(pl)
+        guesses.append(f"{s}: [{desc}] ({why})")
+        if any(p != "Replicate" for p in pl) or local != s:
+            relations.append(rel | {"placements": pl})
+        placed[s] = (local, pl)
+    return relations, placed, guesses
+
+
+def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str, Any]]) -> str:
+    """The rank input holding sequential input `s`: the one annotated seq=s, else `s` itself."""
+    found: dict[int, str] = {}
+    for r, rk in ranks.items():
+        named = [n for n, a in rk.annotations.items() if a.seq == s]
+        if len(named) > 1:
+            raise CaptureError(f"rank {r}: {named} are all annotated as pieces of {s!r}")
+        if named:
+            found[r] = named[0]
+        elif s in rank_inputs[r] and not (rk.annotations.get(s) and rk.annotations[s].seq not in (None, s)):
+            found[r] = s
+        else:
+            raise CaptureError(f"sequential input {s!r} has no counterpart on rank {r}: no rank input has that name "
+                               f"or is annotated seq={s!r}")
+    if len(set(found.values())) > 1:
+        raise CaptureError(f"sequential input {s!r} is held by differently named rank inputs "
+                           f"({', '.join(f'rank {r}: {n}' for r, n in sorted(found.items()))}); one name on every rank")
+    return next(iter(found.values()))
+
+
+def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -> tuple[list[str] | None, str]:
+    """Placements from shapes alone: equal shapes are Replicate; one dim divided by a mesh
+    axis's size (or by all ranks) is Shard(d) along it."""
+    axes = list(mesh)
+    if len(seq) != len(local):
+        return None, f"the ranks hold {len(local)} dims, the sequential tensor {len(seq)}"
+    diff = [d for d, (a, b) in enumerate(zip(seq, local, strict=True)) if a != b]
+    if not diff:
+        return ["Replicate"] * len(axes), "same name and shape on every rank"
+    if len(diff) > 1:
+        return None, f"dims {diff} differ"
+    d = diff[0]
+    if local[d] == 0 or seq[d] % local[d]:
+        return None, f"dim {d} ({local[d]} on the ranks) does not divide {seq[d]}"
+    k = seq[d] // local[d]
+    by = [a for a in axes if mesh[a] == k]
+    total = 1
+    for n in mesh.values():
+        total *= n
+    if len(by) == 1:
+        return [f"Shard({d})" if a == by[0] else "Replicate" for a in axes], \
+            f"dim {d} is 1/{k} of the sequential size; mesh axis {by[0]!r} has {k} ranks"
+    if not by and k == total:
+        return [f"Shard({d})"] * len(axes), f"dim {d} is 1/{k} of the sequential size, split over all ranks"
+    if by:
+        return None, f"dim {d} is 1/{k} of the sequential size and mesh axes {by} all have {k} ranks"
+    return None, f"dim {d} is 1/{k} of the sequential size, which is no mesh axis's size"
+
+
+def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
+                  mesh: dict[str, int], notes: list[str]) -> list[dict[str, Any]]:
+    """The loss is Replicate; each gradient is placed like its parameter."""
+    out: list[dict[str, Any]] = [{"output": "loss", "placements": ["Replicate"] * len(mesh)}]
+    for p in seq_tr.no_grad:
+        notes.append(f"parameter {p!r} requires grad but gets none in the sequential step: no gradient output")
+    for p in seq_tr.grads:
+        local, pl = placed[p]
+        for r, rk in sorted(ranks.items()):
+            if local not in rk.traced.grads:
+                raise CaptureError(
+                    f"the sequential step has a gradient for {p!r} but rank {r} has none for {local!r} (its .grad is "
+                    "None after the step: is the parameter used, does the loss reach it?)")
+        if pl is None or any(x.startswith("Partial") for x in pl):
+            notes.append(f"{p}.grad: no expected placement ({p!r} is not placed by Replicate/Shard); it must be "
+                         "reconstructible from the rank outputs")
+            continue
+        ex: dict[str, Any] = {"output": f"{p}.grad", "placements": pl}
+        if local != p:
+            ex["local"] = f"{local}.grad"
+        out.append(ex)
+    with_grad = {placed[p][0] for p in seq_tr.grads}
+    for r, rk in sorted(ranks.items()):
+        extra = [g for g in rk.traced.grads if g not in with_grad]
+        if extra:
+            notes.append(f"rank {r} has gradients for {extra}, which have no sequential gradient to compare with")
+    return out
+
+
+def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: Registry, notes: list[str]) -> None:
+    """Evaluate the captured sequential graph with refine's interpreter on the model's own
+    values and compare it with the step run eagerly (both in float64): a translation that
+    changed what the step computes must never reach the checker."""
+    from refine.evaluate import close, eval_graph, max_err
+
+    try:
+        model = copy.deepcopy(step.model).double()
+        inputs = {k: v.double() if v.is_floating_point() else v for k, v in step.inputs.items()}
+        loss = step.step(model, **inputs)
+    except Exception as e:  # noqa: BLE001 - the capture itself does not depend on it
+        notes.append(f"not replayed eagerly in float64 ({type(e).__name__}: {e})")
+        return
+    params = dict(model.named_parameters())
+    want = {"loss": loss.detach()} | {f"{p}.grad": params[p].grad for p in traced.grads}
+    values = {name: v.detach() for name, _, v in traced.inputs} | conv.constants
+    got = eval_graph(seq, registry, values)
+    for o in seq.outputs:
+        w = want.get(o.name)
+        if w is None or not close(got[o.ref], w, rtol=1e-6, atol=1e-9):
+            err = max_err(got[o.ref], w) if w is not None else float("nan")
+            raise CaptureError(f"the captured sequential graph computes output {o.name!r} differently from the step run "
+                               f"eagerly (max error {err:.3g}): a translation in refine/capture/aten.py is wrong")
+
+
+_AT_NODE = re.compile(r"^\$(?:\.ranks\[(\d+)\])?\.graph\.nodes\[(\d+)\]")
+
+
+def _load(seq_doc: dict[str, Any], dist_doc: dict[str, Any], registry: Registry) -> tuple[Graph, Dist]:
+    """Load the documents with refine's own loader, so capture output meets every check a
+    hand-written file does; a failure names the rank, node and source line."""
+    with tempfile.TemporaryDirectory(prefix="refine-capture-") as tmp:
+        write_case(tmp, seq_doc, dist_doc)
+        try:
+            seq = load_seq(Path(tmp) / "seq.json", registry)
+            dist = load_dist(Path(tmp) / "dist.json", registry, seq)
+        except InputError as e:
+            doc = seq_doc if e.file.endswith("seq.json") else dist_doc
+            raise CaptureError(_explain(e, doc)) from None
+    return seq, dist
+
+
+def _explain(e: InputError, doc: dict[str, Any]) -> str:
+    file = Path(e.file).name
+    m = _AT_NODE.match(e.where)
+    if not m:
+        return f"the captured {file} does not load: {e.where}: {e.reason}"
+    rank_i, node_i = m.group(1), int(m.group(2))
+    graph = doc["ranks"][int(rank_i)]["graph"] if rank_i is not None else doc["graph"]
+    node = graph["nodes"][node_i]
+    who = f"rank {doc['ranks'][int(rank_i)]['rank']}" if rank_i is not None else "the sequential step"
+    src = f" at {node['source']}" if node.get("source") else ""
+    return f"{who}, node {node['name']!r} ({node['op']}){src}: {e.reason}"

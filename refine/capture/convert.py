@@ -1,0 +1,470 @@
+"""An aten FX graph (refine.capture.trace) as a refine graph document (graph format v1).
+
+Nodes are translated on demand, from the outputs and from every collective (a collective
+runs even when its result is unused, and the k-th collective of a group must stay the k-th:
+they are emitted in program order), so dead code never reaches refine. Every refine node
+keeps the source line of the FX node it comes from. Tensor constants become `full` nodes
+when they are one value repeated, else inputs (role buffer) named by a hash of their
+contents, so equal constants have one name on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from refine.capture import aten
+from refine.capture.errors import CaptureError
+from refine.capture.trace import Traced, source_of
+from refine.ir import Arg, TensorType
+from refine.normalize import normalize_attrs
+from refine.opset import Registry
+
+
+@dataclass
+class Converted:
+    graph: dict[str, Any]  # {"inputs", "nodes", "outputs"}
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # constant input -> value
+    aten_ops: Counter[str] = field(default_factory=Counter)  # aten ops translated, by qualified name
+
+
+def _unwrap(n: fx.Node) -> tuple[fx.Node, tuple[int, ...]]:
+    """A chain of getitems on a multi-output node: the node and the index path."""
+    path: list[int] = []
+    while n.op == "call_function" and n.target is operator.getitem:
+        path.insert(0, n.args[1])  # type: ignore[arg-type]
+        n = n.args[0]  # type: ignore[assignment]
+    return n, tuple(path)
+
+
+def _dtype_class(dt: torch.dtype) -> str:
+    if dt == torch.bool:
+        return "bool"
+    return "float" if dt.is_floating_point else "complex" if dt.is_complex else "int"
+
+
+def _is_inplace(target: Any) -> bool:
+    args = target._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class Emitter:
+    def __init__(self, registry: Registry, traced: Traced, where: str) -> None:
+        self.registry, self.traced, self.gm, self.where = registry, traced, traced.gm, where
+        self.inputs: list[dict[str, Any]] = []
+        self.nodes: list[dict[str, Any]] = []
+        self.types: dict[str, TensorType] = {}
+        self.taken: set[str] = set()
+        self.memo: dict[tuple[fx.Node, tuple[int, ...]], Arg] = {}
+        self.node: fx.Node | None = None  # the FX node being translated
+        self.constants: dict[str, torch.Tensor] = {}
+        self.aten_ops: Counter[str] = Counter()
+        self.placeholders: dict[fx.Node, str] = {}
+        self.cache: dict[Any, Any] = {}
+        self.counted: set[fx.Node] = set()
+        self.fills: dict[str, float] = {}  # refine refs known to be one value repeated
+
+    def cached(self, key: Any, make: Any) -> Any:
+        """A value handlers share between the outputs of one node (var_mean's moments)."""
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    # -- context and errors
+
+    @property
+    def source(self) -> str | None:
+        return source_of(self.node) if self.node is not None else None
+
+    def fail(self, message: str) -> CaptureError:
+        n = self.node
+        if n is None:
+            return CaptureError(f"{self.where}: {message}")
+        what = str(n.target) if n.op == "call_function" else f"{n.op} {n.target}"
+        return CaptureError(f"{self.where}: aten op {what} (FX node {n.name!r}): {message}", self.source)
+
+    @contextmanager
+    def at(self, n: fx.Node) -> Iterator[None]:
+        saved, self.node = self.node, n
+        try:
+            yield
+        finally:
+            self.node = saved
+
+    # -- helpers for the handlers in refine.capture.aten
+
+    def dtype(self, dt: Any) -> str:
+        name = aten.DTYPES.get(dt)
+        if name is None:
+            raise self.fail(f"dtype {dt} has no refine counterpart (refine knows {', '.join(aten.DTYPES.values())})")
+        return name
+
+    def type(self, ref: Arg) -> TensorType:
+        if not isinstance(ref, str):
+            raise self.fail(f"expected a tensor, got the number {ref!r}")
+        return self.types[ref]
+
+    def value(self, a: Any) -> Arg:
+        """The refine argument for an FX argument: a tensor reference or a number literal."""
+        if isinstance(a, fx.Node):
+            root, path = _unwrap(a)
+            return self.output(root, path)
+        if isinstance(a, bool):
+            return float(a)
+        if isinstance(a, (int, float)):
+            return a
+        raise self.fail(f"argument {a!r} ({type(a).__name__}) is neither a tensor nor a number")
+
+    def fresh(self, base: str) -> str:
+        base = base.replace("@", "_")
+        name, k = base, 1
+        while name in self.taken:
+            k += 1
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    def attr_value(self, v: Any) -> Any:
+        if isinstance(v, torch.dtype):
+            return self.dtype(v)
+        if isinstance(v, (list, tuple)):
+            return [self.attr_value(x) for x in v]
+        if isinstance(v, (bool, int, float, str)):
+            return v
+        raise self.fail(f"attribute value {v!r} ({type(v).__name__}) has no JSON form")
+
+    def emit(self, op: str, args: list[Arg], attrs: dict[str, Any], *, final: bool = True,
+             index: int | None = None, suffix: str = "", dtype: str | None = None, val: Any = None) -> str:
+        """A refine node for the current FX node. `final`: it is the FX node's value (output
+        `index` of a multi-output node, or the traced value `val`), so its shape must be the
+        traced one."""
+        spec = self.registry.ops.get(op)
+        if spec is None:
+            raise self.fail(f"refine has no op {op!r}")
+        known = spec.attr_kinds()
+        attrs = {k: v for k, v in attrs.items() if v is not None}
+        for k in attrs:
+            if k not in known:
+                raise self.fail(f"refine op {op!r} has no attribute {k!r} (it has: {', '.join(known) or 'none'})")
+        if spec.inputs >= 0 and len(args) != spec.inputs:
+            raise self.fail(f"refine op {op!r} takes {spec.inputs} argument(s), the translation gives {len(args)}")
+        ins = [self.types[a] for a in args if isinstance(a, str)]
+        try:
+            typ = spec.shape(ins, normalize_attrs(spec, attrs, ins))
+        except Exception as e:
+            raise self.fail(f"refine op {op!r} rejects {[list(t.shape) for t in ins]} with {attrs}: {e}") from None
+        assert self.node is not None
+        root = self.node.name
+        name = self.fresh(f"{root}.{suffix}" if suffix else f"{root}.{index}" if index else root)
+        out_dtype = dtype or typ.dtype
+        if final:
+            if val is None:
+                val = self.node.meta["val"]
+                if index is not None:
+                    val = val[index]
+            traced = tuple(int(s) for s in val.shape)
+            if tuple(typ.shape) != traced:
+                raise self.fail(f"refine op {op!r} gives shape {list(typ.shape)} but torch traced {list(traced)}: "
+                                "the mapping in refine/capture/aten.py is wrong for this use")
+            out_dtype = self.dtype(val.dtype)
+        node: dict[str, Any] = {"name": name, "op": op, "args": list(args)}
+        if attrs:
+            node["attrs"] = {k: self.attr_value(v) for k, v in attrs.items()}
+        node |= {"shape": list(typ.shape), "dtype": out_dtype}
+        if self.source:
+            node["source"] = self.source
+        self.nodes.append(node)
+        self.types[name] = TensorType(tuple(typ.shape), out_dtype)
+        if op == "full":
+            self.fills[name] = float(attrs["value"])
+        return name
+
+    # -- translation
+
+    def output(self, root: fx.Node, path: tuple[int, ...]) -> Arg:
+        key = (root, path)
+        if key not in self.memo:
+            with self.at(root):
+                self.memo[key] = self._translate(root, path)
+        return self.memo[key]
+
+    def _translate(self, n: fx.Node, path: tuple[int, ...]) -> Arg:
+        if n.op == "placeholder":
+            return self.placeholders[n]
+        if n.op == "get_attr":
+            return self._constant(n)
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            raise self.fail("not an aten op: refine capture translates aten ops only")
+        qual, overload = aten.qualified(n.target)
+        a = aten.bind(n.target, n.args, n.kwargs)
+        if n not in self.counted:
+            self.counted.add(n)
+            self.aten_ops[f"{qual}.{overload}"] += 1
+        if qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.LEGACY_COLLECTIVES:
+            return self._collective(n, qual, a, path)
+        if qual in aten.WAITS:
+            return self.value(a["tensor"])
+        ns, _, name = qual.partition("::")
+        if ns != "aten":
+            raise self.fail("unknown op: refine has no mapping for this namespace; add one in refine/capture/aten.py")
+        if name.endswith("_") and _is_inplace(n.target):
+            name = name[:-1]  # the op's result is the mutated tensor's new value
+        if len(path) > 1:
+            raise self.fail(f"output {list(path)} of a nested result is not supported")
+        if name in aten.IDENTITY:
+            return self._identity(n, name, a)
+        folded = self._fold(n, a)
+        if folded is not None:
+            return folded
+        if path or isinstance(n.meta.get("val"), (tuple, list)):
+            handler = aten.MULTI.get(name)
+            if handler is None:
+                raise self.fail("an op with several outputs that refine/capture/aten.py does not map")
+            return handler(self, n, a, path[0] if path else 0)
+        handler = aten.SPECIAL_OVERLOAD.get((name, overload)) or aten.SPECIAL.get(name)
+        if handler is not None:
+            return handler(self, n, a)
+        return self._generic(n, name, a)
+
+    def _fold(self, n: fx.Node, a: dict[str, Any]) -> str | None:
+        """An op on constant fills whose result is one value repeated becomes a `full`: the
+        seed gradient of a mean or sum (expand(ones) / n) is a constant on every rank, and the
+        prover relates constants, not the ops that make them. torch computes the value (in
+        float64), so folding is exact up to rounding; random ops never fold."""
+        if torch.Tag.nondeterministic_seeded in n.target.tags or not isinstance(n.meta.get("val"), torch.Tensor):  # type: ignore[union-attr]
+            return None
+        tensors = [x for x in n.all_input_nodes]
+        if not tensors or any(x.op == "get_attr" and not isinstance(getattr(self.gm, x.target), torch.Tensor)  # type: ignore[arg-type]
+                              for x in tensors):
+            return None
+        refs = {x: self.value(x) for x in tensors}
+        if not all(isinstance(r, str) and r in self.fills for r in refs.values()):
+            return None
+
+        def real(v: Any) -> Any:
+            if isinstance(v, fx.Node):
+                val = v.meta["val"]
+                dt = torch.float64 if val.dtype.is_floating_point else val.dtype
+                return torch.full(tuple(val.shape), self.fills[refs[v]], dtype=dt)  # type: ignore[index]
+            if isinstance(v, (list, tuple)):
+                return type(v)(real(x) for x in v)
+            return v
+
+        try:
+            out = n.target(*real(tuple(n.args)), **{k: real(v) for k, v in n.kwargs.items()})  # type: ignore[operator]
+        except Exception:  # noqa: BLE001 - not foldable this way: translate the op instead
+            return None
+        flat = out.reshape(-1) if isinstance(out, torch.Tensor) else None
+        if flat is None or not flat.numel() or not bool((flat == flat[0]).all()):
+            return None
+        return self.emit("full", [], {"value": float(flat[0]), "shape": [int(d) for d in out.shape]})
+
+    def _identity(self, n: fx.Node, name: str, a: dict[str, Any]) -> Arg:
+        x = next(v for v in a.values() if isinstance(v, fx.Node))
+        src, out = x.meta["val"].dtype, n.meta["val"].dtype
+        if src != out and _dtype_class(src) != _dtype_class(out):
+            raise self.fail(f"a cast from {src} to {out}: refine treats only casts within one dtype class "
+                            "(floating to floating, integer to integer) as identities")
+        return self.value(x)
+
+    def _generic(self, n: fx.Node, name: str, a: dict[str, Any]) -> str:
+        op = aten.ALIASES.get(name, name)
+        spec = self.registry.ops.get(op)
+        if spec is None:
+            raise self.fail(f"unknown op: refine has no op {op!r} (add it to a rule family, or map the aten op "
+                            "in refine/capture/aten.py)")
+        declared = spec.attr_kinds()
+        renames = aten.ATTR_ALIASES.get(op, {})
+        args: list[Arg] = []
+        attrs: dict[str, Any] = {}
+        for arg in n.target._schema.arguments:  # type: ignore[union-attr]
+            v = a[arg.name]
+            if arg.name in aten.IGNORED:
+                continue
+            key = renames.get(arg.name, arg.name)
+            default = arg.default_value if arg.has_default_value() else ...
+            if isinstance(v, fx.Node):
+                args.append(self.value(v))
+            elif isinstance(v, (list, tuple)) and any(isinstance(x, fx.Node) for x in v):
+                raise self.fail(f"argument {arg.name!r} is a list of tensors, which refine op {op!r} does not take")
+            elif key in declared:
+                if v is None or (declared[key].endswith("?") and v == default):
+                    continue
+                attrs[key] = v
+            elif isinstance(v, (int, float)) and not arg.kwarg_only and str(arg.type) in ("Tensor", "number"):
+                args.append(self.value(v))
+            elif v is None or v == default:
+                continue
+            else:
+                raise self.fail(f"its argument {arg.name}={v!r} has no counterpart in refine op {op!r}")
+        return self.emit(op, args, attrs)
+
+    def _group(self, g: Any) -> list[int]:
+        if isinstance(g, fx.Node):  # legacy ops take the ProcessGroup as a script object
+            pg = dist.ProcessGroup.unbox(getattr(self.gm, g.target))  # type: ignore[arg-type]
+        else:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            pg = _resolve_process_group(g)
+        return [int(r) for r in dist.get_process_group_ranks(pg)]
+
+    def _reduce_op(self, r: Any) -> str:
+        if isinstance(r, fx.Node):
+            code = getattr(self.gm, r.target)._get_method("op")()  # type: ignore[arg-type]
+            r = dist.ReduceOp.RedOpType(code).name
+        name = str(r).lower()
+        if name not in aten.REDUCE_OPS:
+            raise self.fail(f"reduce op {name!r}: refine's collectives reduce with {', '.join(aten.REDUCE_OPS)}")
+        return name
+
+    def _collective(self, n: fx.Node, qual: str, a: dict[str, Any], path: tuple[int, ...]) -> str:
+        legacy = qual in aten.LEGACY_COLLECTIVES
+        op = aten.LEGACY_COLLECTIVES[qual] if legacy else aten.FUNCTIONAL_COLLECTIVES[qual]
+        if legacy:
+            tensors = a.get("tensors")
+            if tensors is not None and len(tensors) != 1:
+                raise self.fail(f"a collective over a list of {len(tensors)} tensors: refine takes one")
+            want = (0, 0) if tensors is not None else (0,)
+            if path != want:
+                raise self.fail(f"output {list(path)} of a legacy collective is used (its work handle?)")
+            x = tensors[0] if tensors is not None else a["input_tensor"]
+            group = self._group(a["process_group"])
+        else:
+            if path:
+                raise self.fail(f"output {list(path)} of a collective with one output")
+            x, group = a["input"], self._group(a["group_name"])
+        attrs: dict[str, Any] = {}
+        if op in ("all_reduce", "reduce_scatter"):
+            attrs["reduce_op"] = self._reduce_op(a["reduce_op"])
+        if op in ("all_gather", "reduce_scatter"):
+            attrs["dim"] = 0  # the *_into_tensor / *_tensor collectives work on dim 0
+            size = a.get("group_size")
+            if size is not None and size != len(group):
+                raise self.fail(f"group_size {size} but the group has ranks {group}")
+        if op == "all_to_all":
+            for k in ("output_split_sizes", "input_split_sizes"):
+                if a[k] is not None and len(set(a[k])) > 1:
+                    raise self.fail(f"uneven all_to_all ({k} {a[k]}): refine's all_to_all splits evenly")
+            attrs |= {"split_dim": 0, "concat_dim": 0}
+        if op == "broadcast":
+            src = a["root_rank"] if legacy else a["src"]  # a rank of the group, not a global rank
+            if legacy and a.get("root_tensor", 0) != 0:
+                raise self.fail("broadcast of a tensor list")
+            if not 0 <= src < len(group):
+                raise self.fail(f"broadcast source {src} is not a rank of group {group}")
+            attrs["src"] = group[src]
+        attrs["group"] = group
+        val = n.meta["val"]
+        for i in path:
+            val = val[i]
+        return self.emit(op, [self.value(x)], attrs, val=val)
+
+    def _constant(self, n: fx.Node) -> str:
+        t = getattr(self.gm, n.target)  # type: ignore[arg-type]
+        if not isinstance(t, torch.Tensor):
+            raise self.fail(f"constant {n.target!r} is a {type(t).__name__}, not a tensor")
+        t = t.detach()
+        dtype = self.dtype(t.dtype)
+        flat = t.reshape(-1)
+        if flat.numel() and bool((flat == flat[0]).all()):
+            return self.emit("full", [], {"value": float(flat[0]), "shape": list(t.shape)}, final=False, dtype=dtype)
+        digest = hashlib.sha1(f"{list(t.shape)}{dtype}".encode() + t.contiguous().numpy().tobytes()).hexdigest()
+        name = f"const_{digest[:10]}"
+        if name not in self.constants:
+            self.taken.add(name)
+            self.constants[name] = t
+            self.inputs.append({"name": name, "shape": list(t.shape), "dtype": dtype, "role": "buffer"})
+            self.types[name] = TensorType(tuple(t.shape), dtype)
+        return name
+
+
+def check_mutations(traced: Traced, where: str) -> None:
+    """Tracing gives a mutated tensor's later readers the in-place op's result, but a reader
+    holding another alias of it (a view taken before) would read a stale value: refuse that."""
+    nodes = list(traced.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    storage: dict[fx.Node, fx.Node] = {}
+    mutations: list[tuple[fx.Node, fx.Node]] = []
+    for n in nodes:
+        storage[n] = n
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem:
+            storage[n] = storage.get(n.args[0], n)  # type: ignore[arg-type]
+            continue
+        if not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        schema = n.target._schema
+        a = aten.bind(n.target, n.args, n.kwargs)
+        if schema.name in aten.LEGACY_COLLECTIVES:
+            written = a["tensors"] if a.get("tensors") is not None else [a["output_tensor"]]
+            mutations += [(n, w) for w in written if isinstance(w, fx.Node)]
+            if isinstance(written[0], fx.Node):
+                storage[n] = storage[written[0]]
+            continue
+        for arg in schema.arguments:
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), fx.Node):
+                mutations.append((n, a[arg.name]))
+        ret = schema.returns[0].alias_info if schema.returns else None
+        if ret is not None:  # a view, or an in-place op: the result shares its argument's storage
+            for arg in schema.arguments:
+                v = a.get(arg.name)
+                if arg.alias_info is not None and isinstance(v, fx.Node) and \
+                        set(arg.alias_info.before_set) & set(ret.before_set):
+                    storage[n] = storage[v]
+                    break
+    for m, x in mutations:
+        p = pos[m]
+        for u in nodes[p + 1:]:
+            for inp in u.all_input_nodes:
+                if pos[inp] < p and storage.get(inp) is storage[x]:
+                    raise CaptureError(
+                        f"{where}: in-place {m.target} (FX node {m.name!r}, at {source_of(m)}) changes a tensor that "
+                        f"{u.name!r} (at {source_of(u)}) reads afterwards through another alias ({inp.name!r}); "
+                        "capture follows only the tensor the in-place op returns", source_of(m))
+
+
+def convert(traced: Traced, registry: Registry, where: str) -> Converted:
+    check_mutations(traced, where)
+    em = Emitter(registry, traced, where)
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(traced.inputs):
+        raise CaptureError(f"{where}: the trace has {len(placeholders)} inputs, expected {len(traced.inputs)}")
+    for ph, (name, role, _) in zip(placeholders, traced.inputs, strict=True):
+        val = ph.meta["val"]
+        with em.at(ph):
+            dtype = em.dtype(val.dtype)
+        em.taken.add(name)
+        em.placeholders[ph] = name
+        shape = [int(s) for s in val.shape]
+        em.inputs.append({"name": name, "shape": shape, "dtype": dtype, "role": role})
+        em.types[name] = TensorType(tuple(shape), dtype)
+    nodes = list(traced.gm.graph.nodes)
+    for n in nodes:  # collectives first, in program order: their order is how ranks match them
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            qual = n.target._schema.name
+            if qual in aten.LEGACY_COLLECTIVES:
+                tensors = aten.bind(n.target, n.args, n.kwargs).get("tensors")
+                em.output(n, (0, 0) if tensors is not None else (0,))
+            elif qual in aten.FUNCTIONAL_COLLECTIVES:
+                em.output(n, ())
+    (out,) = [n for n in nodes if n.op == "output"]
+    results = out.args[0]
+    assert isinstance(results, (tuple, list))
+    outputs = [{"name": "loss", "ref": em.value(results[0]), "role": "loss"}]
+    for p, g in zip(traced.grads, results[1:], strict=True):
+        outputs.append({"name": f"{p}.grad", "ref": em.value(g), "role": "gradient", "of": p})
+    for o in outputs:
+        if not isinstance(o["ref"], str):
+            raise CaptureError(f"{where}: output {o['name']!r} is the number {o['ref']!r}, not a tensor")
+    graph = {"inputs": em.inputs, "nodes": em.nodes, "outputs": outputs}
+    return Converted(graph, em.constants, em.aten_ops)

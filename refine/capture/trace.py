@@ -1,0 +1,202 @@
+"""Trace one training step into an aten FX graph, with the user's source line on every node.
+
+The step runs under `make_fx` with fake tensors (so a branch on a tensor's value is an error,
+not a silently baked-in guess) and the decompositions of refine.capture.aten. Parameters
+and buffers become graph inputs: the module is re-parametrized with the traced tensors, the
+parameters as fresh leaves that require grad, so `loss.backward()` inside the step (custom
+autograd Functions included) fills their `.grad`, which the traced function returns.
+
+Distributed ranks are traced one at a time, each inside a fake process group
+(`fake_process_group`): collectives become graph nodes and compute nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import sysconfig
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
+from torch.nn.utils.stateless import _reparametrize_module
+
+from refine.capture.aten import DECOMPOSITIONS
+from refine.capture.errors import CaptureError
+
+_TORCH = str(Path(torch.__file__).resolve().parent)
+_REFINE = str(Path(__file__).resolve().parent.parent)
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib")})
+_HERE = str(Path(__file__).resolve())
+_RUN = "_traced_step"  # the name of the function make_fx traces: user frames are below it
+
+
+@dataclass
+class Step:
+    """One training step to capture: `step(model, **inputs)` returns the loss after calling
+    `loss.backward()` (and whatever gradient synchronisation the program does)."""
+
+    model: nn.Module
+    step: Callable[..., torch.Tensor]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Traced:
+    gm: fx.GraphModule
+    inputs: list[tuple[str, str, torch.Tensor]]  # (name, role, value) of each placeholder, in order
+    grads: list[str]  # parameters whose gradient follows the loss in the outputs, in order
+    no_grad: list[str]  # parameters that require grad but got none
+    annotations: dict[str, Any]  # graph input name -> refine.capture.annotate.Annotation
+
+
+@contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """A process group of `world_size` ranks in which this process is `rank`; collectives
+    record and do nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise CaptureError("a default process group is already initialized in this process; capture makes "
+                           "its own fake one per rank, so call it outside any distributed setup")
+    hook = sys.excepthook  # init_process_group wraps it with a "[rank r]" prefix for good
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _is_user(filename: str) -> bool:
+    try:
+        f = str(Path(filename).resolve())
+    except (OSError, ValueError):
+        return False
+    return not (filename.startswith("<") or f.startswith(_TORCH) or f.startswith(_REFINE) or f.startswith(_STDLIB))
+
+
+def _user_frames(frames: list[Any]) -> list[Any]:
+    """Frames of user code below the traced function (not torch, refine or the stdlib)."""
+    start = max((i for i, f in enumerate(frames) if f.name == _RUN and f.filename == _HERE), default=-1)
+    return [f for f in frames[start + 1:] if _is_user(f.filename)]
+
+
+_TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def _source_frame(frames: list[Any]) -> Any:
+    """The frame a node is reported at: the innermost user frame; for a node made by the
+    backward of a built-in op, the user frame that ran that op forward."""
+    node = torch._C._current_autograd_node()
+    if node is not None:
+        engine = max((i for i, f in enumerate(frames) if f.name == "_engine_run_backward"), default=None)
+        if engine is not None:
+            custom = _user_frames(frames[engine + 1:])  # a custom autograd Function's backward
+            if custom:
+                return custom[-1]
+        recorded = node.metadata.get("traceback_") or []
+        fwd = [traceback.FrameSummary(m.group(1), int(m.group(2)), m.group(3))
+               for m in (_TB_LINE.search(s) for s in recorded) if m]
+        found = _user_frames(fwd)
+        if found:
+            return found[-1]
+    found = _user_frames(frames)
+    return found[-1] if found else None
+
+
+def _filter_frames(self: Any, summary: traceback.StackSummary) -> traceback.StackSummary:
+    frame = _source_frame(list(summary))
+    return traceback.StackSummary.from_list([frame] if frame is not None else [])
+
+
+def source_of(node: fx.Node) -> str | None:
+    """"file.py:line" of an FX node traced by `trace_step`."""
+    m = _TB_LINE.search(node.meta.get("stack_trace") or "")
+    return f"{Path(m.group(1)).name}:{m.group(2)}" if m else None
+
+
+def exception_source(e: BaseException) -> str | None:
+    frames = _user_frames(traceback.extract_tb(e.__traceback__))
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
+
+
+@contextmanager
+def _recording_sources() -> Iterator[None]:
+    # make_fx keeps only frames below a `forward`; refine wants the user's innermost frame,
+    # for backward nodes too (anomaly mode records each autograd node's forward stack)
+    with mock.patch.object(PythonKeyTracer, "_filter_traceback_frames", _filter_frames), \
+            torch.autograd.set_detect_anomaly(True, check_nan=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Aa]nomaly.*")
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+def trace_step(step: Step, where: str) -> Traced:
+    """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
+    from refine.capture.annotate import annotation_of
+
+    if not isinstance(step, Step):
+        raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
+    model = step.model
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"{where}: Step.model must be a torch.nn.Module, got {type(model).__name__}")
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    inputs = dict(step.inputs)
+    for name, v in inputs.items():
+        if not isinstance(v, torch.Tensor):
+            raise CaptureError(f"{where}: input {name!r} is a {type(v).__name__}, not a tensor")
+        if name in params or name in buffers:
+            raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
+    grads: list[str] = []
+    no_grad: list[str] = []
+
+    def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
+        leaves = {n: v.detach().requires_grad_(params[n].requires_grad) for n, v in zip(params, p_vals, strict=True)}
+        state = leaves | dict(zip(buffers, b_vals, strict=True))
+        with _reparametrize_module(model, state, tie_weights=True):
+            loss = step.step(model, **dict(zip(inputs, x_vals, strict=True)))
+        if not isinstance(loss, torch.Tensor):
+            raise CaptureError(f"{where}: the step must return the loss tensor, got {type(loss).__name__}")
+        out = [loss]
+        for n, leaf in leaves.items():
+            if leaf.grad is not None:
+                grads.append(n)
+                out.append(leaf.grad)
+            elif params[n].requires_grad:
+                no_grad.append(n)
+        return tuple(out)
+
+    args = ([p.detach() for p in params.values()], [b.detach() for b in buffers.values()], list(inputs.values()))
+    try:
+        with _recording_sources():
+            gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
+                         record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
+    except CaptureError:
+        raise
+    except Exception as e:
+        raise CaptureError(f"{where}: cannot trace the step: {_why(e)}", exception_source(e)) from e
+    values = [*params.values(), *buffers.values(), *inputs.values()]
+    roles = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["data"] * len(inputs)
+    names = [*params, *buffers, *inputs]
+    annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
+    return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations)
+
+
+def _why(e: Exception) -> str:
+    kind = type(e).__name__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "DataDependent" in kind or "data-dependent" in str(e) or "data dependent" in str(e):
+        return ("the step branches on (or reads) a tensor's value, which a trace cannot follow: "
+                f"data-dependent control flow ({kind}: {text[:300]})")
+    return f"{kind}: {text[:500]}"
