@@ -10,8 +10,10 @@ declares as an attribute becomes that attribute (named as in the aten schema unl
 (`pow(x, 2)`). Arguments in `IGNORED` never change values and are dropped, and so is an
 argument at its schema default; anything else refine cannot express is an error, never
 silently dropped. The exceptions are the tables below: `ALIASES` (another refine name),
-`IDENTITY` (ops returning their input's value), `SPECIAL` (ops that need a few refine nodes
-or have several outputs) and the collectives. An in-place op (`div_`) maps like its
+`IDENTITY` (ops returning their input's value), `SPECIAL` (ops that need a few refine
+nodes), `MULTI` (one refine node per used output) and the collectives. An op whose inputs
+are all constant fills and whose result is one is folded to a `full` (refine.capture.convert)
+before any of this. An in-place op (`div_`) maps like its
 out-of-place twin: tracing hands the mutated tensor's later readers the op's result, and
 refine.capture.convert refuses graphs where a stale alias of it is read afterwards.
 """
@@ -46,8 +48,8 @@ ATTR_ALIASES: dict[str, dict[str, str]] = {
 # arguments that never change a value
 IGNORED = {"memory_format", "layout", "device", "pin_memory", "non_blocking", "implicit", "half_to_float"}
 
-# ops whose output is their first input's value. A float-to-float cast is one (refine
-# reasons about real-valued semantics); any other cast is refused.
+# ops whose output is their first input's value. A cast within one dtype class (float to
+# float, int to int) is one (refine reasons about real-valued semantics); others are refused.
 IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "resolve_conj",
             "resolve_neg"}
 WAITS = {"_c10d_functional::wait_tensor"}  # waiting on a functional collective: its value
