@@ -8,7 +8,7 @@ from pathlib import Path
 
 from refine.expr import Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Placement
+from refine.ir import Dist, Graph, Placement, case_symbols
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -30,7 +30,7 @@ def engine_for(registry: Registry, symbolic: bool = False) -> Engine:
 
 
 def is_symbolic(seq: Graph, dist: Dist) -> bool:
-    return bool(seq.symbols) or any(g.symbols for g in dist.ranks.values())
+    return bool(case_symbols(seq, dist))
 
 
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = ()) -> Report:
@@ -81,9 +81,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
 def _describe_symbols(seq: Graph, dist: Dist) -> list[str]:
     from refine import dims
 
-    syms = dict(seq.symbols)
-    for g in dist.ranks.values():
-        syms.update(g.symbols)
+    syms = case_symbols(seq, dist)
     out = []
     for name in sorted(syms):
         a = dims.atoms_of(syms[name])[name]

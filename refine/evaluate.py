@@ -30,7 +30,7 @@ import torch
 
 from refine import dims
 from refine.expr import Term
-from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, tensor_name
+from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, case_symbols, tensor_name
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
 
@@ -506,7 +506,7 @@ def differential(seq: Graph, dist: Dist, registry: Registry | None = None, seed:
     """Run both sides on random consistent inputs; compare each sequential output with the
     rank outputs its expectation names (every replica)."""
     registry = registry or load_registry()
-    symbols = _symbols(seq, dist)
+    symbols = case_symbols(seq, dist)
     if symbols:
         seq, dist = instantiate(seq, dist, valuation(symbols, seed))
     seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
@@ -565,7 +565,7 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     if symbolic:
         # evaluate the very core graphs the relations name, at the valuation (lowering the
         # instantiated graphs may differ: a mean over a symbolic size lowers to `rmean`)
-        values = valuation(_symbols(seq, dist), seed)
+        values = valuation(case_symbols(seq, dist), seed)
         seq_core = instantiate_graph(seq_core, values)
         cores = {r: instantiate_graph(c, values) for r, c in cores.items()}
         seq, dist = instantiate(seq, dist, values)
@@ -587,13 +587,6 @@ def valuation(symbols: Mapping[str, Any], seed: int = 0, spread: int = 3) -> dic
         lo = max(a.min, 2)
         base = -(-lo // a.multiple) * a.multiple
         out[name] = base + a.multiple * rng.randint(0, spread)
-    return out
-
-
-def _symbols(seq: Graph, dist: Dist) -> dict[str, Any]:
-    out = dict(seq.symbols)
-    for g in dist.ranks.values():
-        out.update(g.symbols)
     return out
 
 

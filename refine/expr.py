@@ -159,7 +159,8 @@ def _read_dim(x: Any) -> Any:
 _TOKEN = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
 
 
-def parse_sexp(text: str) -> Any:
+def parse_sexps(text: str) -> list[Any]:
+    """Every top-level s-expression of `text`: atoms as strings, lists as lists."""
     tokens = [m.group(1) for m in _TOKEN.finditer(text)]
     pos = 0
 
@@ -175,7 +176,14 @@ def parse_sexp(text: str) -> Any:
             return items
         return tok
 
-    return read()
+    out = []
+    while pos < len(tokens):
+        out.append(read())
+    return out
+
+
+def parse_sexp(text: str) -> Any:
+    return parse_sexps(text)[0]
 
 
 def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:

@@ -177,6 +177,14 @@ class Dist:
     expectations: list[Expectation]
 
 
+def case_symbols(seq: Graph, dist: Dist) -> dict[str, Any]:
+    """Every symbol either side declares (the ranks inherit the sequential file's)."""
+    out = dict(seq.symbols)
+    for g in dist.ranks.values():
+        out.update(g.symbols)
+    return out
+
+
 def tensor_name(rank: int, name: str) -> str:
     """The global name of a rank's tensor, as relations print it."""
     return f"{name}@{rank}"

@@ -11,7 +11,6 @@ every op of a kind (say, every unary elementwise op distributes over concat).
 from __future__ import annotations
 
 import importlib.util
-import re
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from refine.expr import parse_sexps
 from refine.ir import TensorType
 
 # Attribute kinds and the egglog sort each one becomes. A `size` (a tensor extent or an
@@ -254,7 +254,6 @@ def rule(name: str, query: list[str], actions: list[str], doc: str = "", symboli
 _I64 = {"d+": "+", "d-": "-", "d*": "*", "d/": "/", "d<": "<", "d<=": "<=", "d>": ">", "d>=": ">=", "d!=": "!="}
 _PY_VALUE = {"d+": "add", "d-": "sub", "d*": "mul", "d/": "div"}
 _PY_TEST = {"d<": "lt", "d<=": "le", "d>": "gt", "d>=": "ge", "d!=": "ne", "d-divides": "divides"}
-_TOKENS = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
 
 
 def dims_prelude() -> str:
@@ -268,29 +267,7 @@ def compile_text(text: str, symbolic: bool) -> str:
     """Expand the size macros (and the sort name `Dim`) of egglog text for one mode."""
     if not any(m in text for m in ("(d", "Dim")):
         return text
-    return " ".join(_emit(x, symbolic) for x in _read_all(text))
-
-
-def _read_all(text: str) -> list[Any]:
-    tokens = [m.group(1) for m in _TOKENS.finditer(text)]
-    pos = 0
-
-    def read() -> Any:
-        nonlocal pos
-        tok = tokens[pos]
-        pos += 1
-        if tok != "(":
-            return tok
-        items = []
-        while tokens[pos] != ")":
-            items.append(read())
-        pos += 1
-        return items
-
-    out = []
-    while pos < len(tokens):
-        out.append(read())
-    return out
+    return " ".join(_emit(x, symbolic) for x in parse_sexps(text))
 
 
 def _emit(x: Any, py: bool) -> str:
