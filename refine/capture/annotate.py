@@ -15,7 +15,7 @@ placement is guessed from the shapes (and the guess is reported).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
@@ -104,8 +104,25 @@ def layout(target: T, expr: str, *, seq: str | None = None) -> T:
     return _annotate(target, Annotation(layout=str(expr), seq=seq))
 
 
+# Frameworks mark their parallel tensors themselves (DTensor placements, Megatron's
+# `tensor_model_parallel` / `partition_dim` attributes). A deriver reads such marks off a
+# tensor (its value as the rank program sees it) and returns the Annotation they mean, or
+# None. Explicit refine annotations win over derived ones; derived ones are not guesses.
+Deriver = Callable[[torch.Tensor], "Annotation | None"]
+DERIVERS: list[Deriver] = []
+
+
 def annotation_of(t: Any) -> Annotation | None:
-    return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+    if not isinstance(t, torch.Tensor):
+        return None
+    explicit = getattr(t, ATTR, None)
+    if explicit is not None:
+        return explicit
+    for derive in DERIVERS:
+        found = derive(t)
+        if found is not None:
+            return found
+    return None
 
 
 def placements_on(ann: Annotation, axes: list[str], what: str) -> list[str]:
