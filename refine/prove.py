@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from egglog import bindings
 
-from refine.expr import LEAF_OPS, NARY, Term, from_egglog, lit, parse_sexp
+from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
 from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
 from refine.relate import DistProgram, term_type
@@ -61,6 +61,7 @@ class Engine:
             "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec Dim))", "(sort TF (UnstableFn (T) T))",
             f"(constructor D (String) T :cost {LEAF})",
             f"(constructor Out (String) T :cost {LEAF_OUT})",
+            f"(constructor {OPAQUE} (String) T :cost {COMPUTE})",
             "(function shape (T) IV :merge old)",
             "(constructor Mark (T) T)", "(relation Found (String))",
             "(ruleset shapes)",
@@ -156,7 +157,8 @@ class Engine:
         return best, cost, found, tuple(results)
 
 
-_LEAF = re.compile(r'\((D|Out) "((?:[^"\\]|\\.)*)"\)')
+_LEAF = re.compile(r'\((D|Out|Opq) "((?:[^"\\]|\\.)*)"\)')
+_PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
 
 
 def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
@@ -166,14 +168,14 @@ def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
     def sub(m: re.Match[str]) -> str:
         key = (m.group(1), m.group(2))
         if key not in names:
-            names[key] = f"{'o' if key[0] == 'Out' else 't'}{len(names)}"
+            names[key] = f"{_PREFIX[key[0]]}{len(names)}"
         return f'({key[0]} "{names[key]}")'
 
     return _LEAF.sub(sub, text), names
 
 
 def _rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
-    if t.op in LEAF_OPS:
+    if t.op in LEAF_OPS or t.op == OPAQUE:
         return Term(t.op, (), (back[t.attrs[0]][1],))
     return Term(t.op, tuple(_rename(a, back) for a in t.args), t.attrs)
 
@@ -192,6 +194,7 @@ class _Emitter:
         self.lines: list[str] = []
         self.names: dict[Term, str] = {}
         self.shaped: set[str] = set()
+        self.opaque: set[str] = set()
 
     def leaf(self, name: str) -> str:
         name = self.prog.same.find(name)
@@ -212,6 +215,13 @@ class _Emitter:
             if t.op == "Out":
                 return f'(Out "{t.attrs[0]}")'
             return self.leaf(t.attrs[0])
+        if t.op == OPAQUE:
+            name = t.attrs[0]
+            if name not in self.opaque:
+                self.opaque.add(name)
+                shape = self.prog.opaque[name].shape
+                self.lines.append(f'(set (shape ({OPAQUE} "{name}")) {lit(shape, "IV", self.py)})')
+            return f'({OPAQUE} "{name}")'
         if t in self.names:
             return self.names[t]
         args = [self.term(a, typed, inline) for a in t.args]
@@ -265,15 +275,17 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
                 if u in seen:
                     continue
                 d = prog.defs[u]
-                if d is not None and all(canon(dep) in avail or _constant(prog, dep) for dep in d.leaves()):
+                if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
-            # constants the lowering made (a literal operand becomes `full`) come along
+            # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
             for dep in sorted(prog.defs[u].leaves()):  # type: ignore[union-attr]
-                if _constant(prog, dep) and dep not in seen:
-                    seen.add(dep)
-                    chosen.append(dep)
+                if is_constant(prog, dep):
+                    for c in _constant_closure(prog, dep):
+                        if c not in seen:
+                            seen.add(c)
+                            chosen.append(c)
             seen.add(u)
             chosen.append(u)
             avail.add(canon(u))
@@ -283,36 +295,66 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     return chosen
 
 
-def _constant(prog: DistProgram, name: str) -> bool:
-    """A rank tensor defined without any rank tensor: a `full` constant."""
-    d = prog.defs.get(name)
-    return d is not None and not d.leaves()
+def is_constant(prog: DistProgram, name: str) -> bool:
+    """A rank tensor computed from constants only (`full`, `expand(full)`, ...): it is
+    available to every step, whatever the relations found so far."""
+    memo = prog.constant
+    if name not in memo:
+        memo[name] = False  # a cycle (impossible in a valid program) is not constant
+        d = prog.defs.get(name)
+        memo[name] = d is not None and all(is_constant(prog, x) for x in d.leaves())
+    return memo[name]
+
+
+def _constant_closure(prog: DistProgram, name: str) -> list[str]:
+    """A constant rank tensor and the constants its definition reads, recursively."""
+    out, stack = [], [name]
+    while stack:
+        x = stack.pop()
+        if x in out:
+            continue
+        out.append(x)
+        stack.extend(sorted(prog.defs[x].leaves()))  # type: ignore[union-attr]
+    return out
 
 
 def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry,
           hops: tuple[int, ...] = (3, 8)) -> Inference:
-    rel = dict(inputs)
+    """Relate every sequential node, in topological order. A node with no clean relation
+    keeps its best term for the report, but the nodes using it see it as an opaque leaf
+    (expr.OPAQUE): an unclean term carried along would grow with every op after it and
+    make each later e-graph larger, while it is already known not to be what the ranks
+    hold. A node over an opaque input gets no wider retry: it cannot become clean by
+    finding more rank tensors for the inputs that are clean."""
+    down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
+    shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
     for n in seq.nodes:
-        term = node_term(n, rel, registry)
+        term = node_term(n, down, registry)
         leaves = term.leaves()
+        tries = hops[:1] if OPAQUE in term.ops() else hops
         res = None
-        for h in hops:
+        for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
             res = engine.step(term, prog, registry, tensors)
             if res.clean:
                 break
         assert res is not None
-        rel[n.name] = res.best
+        shown[n.name] = res.best
         clean[n.name] = res.clean
         steps[n.name] = res
+        known |= res.best.leaves()
+        if res.clean:
+            down[n.name] = res.best
+        else:
+            prog.opaque[n.name] = n.type
+            down[n.name] = opaque(n.name)
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
-        known |= res.best.leaves()
-    return Inference(rel, clean, steps)
+    return Inference(shown, clean, steps)
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:

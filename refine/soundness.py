@@ -399,6 +399,10 @@ class SeedGen:
                 Term("RsumBy", (t,), (r.randrange(2),)),
                 Term("RmaxBy", (t,), (r.randrange(2),)),
             ]
+            # two multiples of one tensor (one of them a negative fraction), and of zero
+            u = self.leaf((2, 3))
+            out += [Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), Term("Scale", (u,), (Fraction(-3, 4),)))),
+                    Term("Sum", (Term("Scale", (u,), (Fraction(0),)), Term("Scale", (u,), (Fraction(5),))))]
         rng, self.rng = self.rng, random.Random(f"{self.seed}:indexing")  # leave the stream above as it was
         for _ in range(self.instances):
             out += self.special_indexing()

@@ -209,7 +209,8 @@ OPS = [
     Op("clamp", 1, _same_shape(), (("min", "float?"), ("max", "float?")), ref=_clamp_ref, decompose=_clamp),
     *(Op(n[:-2], 1, _same_shape("bool" if n in PREDICATES else None), ref=f,
          decompose=_lower_elementwise(n)) for n, f in UNARY.items()),
-    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise")
+    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise",
+         linear={"mul_t": "each", "div_t": "first"}.get(n, ""))
       for n, f in BINARY.items()),
     Op("masked_fill_t", 2, _same_shape(), (("value", "float"),),
        ref=lambda x, m, value: x.masked_fill(m.bool(), value), core=True, kind="elementwise"),

@@ -100,12 +100,12 @@ KEEP_SHAPE_EGG = "(rule ((= e (OP x d)) (= s (shape x))) ((set (shape e) (vec-se
 
 OPS = [
     Op("rsum", 1, _summed(_keep_shape), (("dim", "dim"),), ref=lambda x, dim: x.sum(dim, keepdim=True),
-       core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rsum"), doc="sum over dim, kept"),
+       core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rsum"), doc="sum over dim, kept", linear="first"),
     Op("rmax", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.amax(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmax"), doc="max over dim, kept"),
     Op("rmean", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.mean(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmean"),
-       doc="mean over dim, kept (means over a symbolic size; concrete ones are scaled sums)"),
+       doc="mean over dim, kept (means over a symbolic size; concrete ones are scaled sums)", linear="first"),
     Op("sum", 1, _summed(_user_shape), (("dim", "dims?"), ("keepdim", "bool?")),
        ref=lambda x, dim=None, keepdim=False: x.sum(dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
        decompose=_reduce("rsum")),
