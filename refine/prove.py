@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,7 +47,8 @@ class Engine:
     registry: Registry
     symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0})
-    cache: dict[str, tuple[Term, int, list[str], tuple[bool, ...]]] = field(default_factory=dict)
+    cache: dict[str, _Solved] = field(default_factory=dict)
+    fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
 
     def __post_init__(self) -> None:
         reg = self.registry
@@ -81,7 +83,7 @@ class Engine:
         for r in self.registry.rules:
             if self.symbolic and not r.symbolic:
                 continue
-            text = r.text
+            text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
             if r.name.startswith("prefix-product"):
                 text = _in_ruleset(text, "shapes")
             lines.append(text)
@@ -127,19 +129,20 @@ class Engine:
         else:
             self.stats["reused"] += 1
         back = {v: k for k, v in names.items()}
-        best_c, cost, found_c, results = hit
-        best = _rename(best_c, back)
-        found = [back[f][1] for f in found_c if f in back and back[f][0] == "D"]
+        best = _rename(hit.best, back)
+        found = [back[f][1] for f in hit.found if f in back and back[f][0] == "D"]
+        self.fired.update(hit.fired)  # a reused step counts as the rules that proved it
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
-        return StepResult(best, cost, found, list(results), dt)
+        return StepResult(best, hit.cost, found, list(hit.checks), dt)
 
-    def _solve(self, program: str, checks: list[str]) -> tuple[Term, int, list[str], tuple[bool, ...]]:
+    def _solve(self, program: str, checks: list[str]) -> _Solved:
         self._run("(push)")
         try:
             self._run(program)
-            self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            ran = self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            fired = Counter({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
             out = self._run("(extract $__seq)\n(print-function Found 100000)")
             best_out = out[0]
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
@@ -154,7 +157,18 @@ class Engine:
                     results.append(False)
         finally:
             self._run("(pop)")
-        return best, cost, found, tuple(results)
+        return _Solved(best, cost, found, tuple(results), fired)
+
+
+@dataclass(frozen=True)
+class _Solved:
+    """A step's result over canonical leaf names, as the cache keeps it."""
+
+    best: Term
+    cost: int
+    found: list[str]
+    checks: tuple[bool, ...]
+    fired: Counter[str]
 
 
 _LEAF = re.compile(r'\((D|Out|Opq) "((?:[^"\\]|\\.)*)"\)')
