@@ -74,7 +74,7 @@ class BiasFirstRowParallelLinear(RowParallelLinear):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
         out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias, gradient_accumulation_fusion=False,
-                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=None)
+                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group), None
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group), None
@@ -123,7 +123,8 @@ def megatron_train_step(model: MegatronMLP, x: torch.Tensor, target: torch.Tenso
     y = model(x)
     if model.config.sequence_parallel:
         # this rank's tokens only: sum the squared errors over the TP group, divide by all
-        loss = reduce_from_tensor_model_parallel_region(F.mse_loss(y, target, reduction="sum"))
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        loss = reduce_from_tensor_model_parallel_region(F.mse_loss(y, target, reduction="sum"), group=tp_group)
         loss = loss / (S * B * H)
     else:
         loss = F.mse_loss(y, target)
