@@ -12,7 +12,7 @@ from refine.ir import Dist, Graph, Placement, Relation, case_symbols
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
-from refine.prove import Engine, frontier, infer
+from refine.prove import Engine, frontier, infer, structural_ancestry
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report
 
@@ -106,6 +106,9 @@ def _explicit(name: str, role: str, rel: Term, local: str, placements: tuple[Pla
     wanted = placed_terms(lambda r: f"{local}@{r}", placements, dist.mesh)
     wanted = [_as_out(t) for t in wanted]
     tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    # how the expected outputs are assembled (an all-reduce of flattened gradients, sliced)
+    wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
+    tensors += [x for x in structural_ancestry(prog, wanted_leaves, EXPECT_HOPS) if x not in set(tensors)]
     res = engine.step(rel, prog, registry, tensors, checks=wanted)
     ok = all(res.checks)
     pl = ", ".join(map(str, placements))

@@ -274,6 +274,54 @@ def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
     return Term(n.op, args, tuple(n.attrs[k] for k, _ in op.attrs if k in n.attrs))
 
 
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"})
+_VIEWS = frozenset({"view", "transpose"})
+
+
+def _behind(prog: DistProgram, leaves: set[str]) -> set[str]:
+    """The tensors leaves are views of (one view deep) and, for those that are a
+    collective's result, its inputs."""
+    out: set[str] = set()
+    for x in leaves:
+        todo = [x]
+        d = prog.defs.get(x)
+        if d is not None and d.op in _VIEWS:
+            todo += sorted(d.leaves())
+            out.update(d.leaves())
+        for y in todo:
+            node, dy = prog.nodes.get(y), prog.defs.get(y)
+            if node is not None and node.op in _COLLECTIVES and dy is not None:
+                out.add(y)
+                out.update(dy.leaves())
+    return out - set(leaves)
+
+
+_STRUCTURAL = frozenset({"view", "slice", "cat", "Sum", "Scale", "transpose"})
+
+
+def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> list[str]:
+    """Rank tensors that `names` are built from by the relation language's own ops (views,
+    slices, concats, sums: collectives and the flattening of gradients into one buffer to
+    reduce), up to `hops` definitions back, in a deterministic order. Their definitions
+    relate an expected rank output back to the tensors a relation is written over."""
+    out: list[str] = []
+    seen: set[str] = set()
+    layer = sorted(set(names))
+    for _ in range(hops):
+        nxt: set[str] = set()
+        for x in layer:
+            d = prog.defs.get(x)
+            if x in seen or d is None or d.op not in _STRUCTURAL:
+                continue
+            seen.add(x)
+            out.append(x)
+            nxt.update(d.leaves())
+        layer = sorted(nxt - seen)
+        if not layer:
+            break
+    return out
+
+
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order."""
@@ -282,6 +330,15 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
     seen = set(chosen)
     layer = set(leaves)
+    # what a leaf is a view of, and the pieces of a collective it is (a view of), come
+    # along with their users: a sum of the whole where the ranks sum its pieces before
+    # viewing or gathering (a 3-d Linear's bias gradient, a gathered gradient)
+    for x in sorted(_behind(prog, leaves)):
+        if x not in seen and prog.defs.get(x) is not None:
+            seen.add(x)
+            chosen.append(x)
+        layer.add(x)
+        avail.add(canon(x))
     for _ in range(hops):
         nxt: set[str] = set()
         for x in layer:

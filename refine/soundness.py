@@ -368,6 +368,15 @@ class SeedGen:
                 out.append(Term("transpose", (Term("cat", (a3, b3), (1,)),), ij))
             e = Term("expand", (self.leaf((1, 3)),), ((2, 4, 3),))
             out += [Term("slice", (e,), (0, 1, 2)), Term("slice", (e,), (1, 1, 3)), Term("slice", (e,), (2, 0, 2))]
+            # views of broadcast dims in front of an expanded tensor (1 to 4 dims of its own)
+            for src, sh, v in (((3,), (4, 2, 3), (8, 3)), ((1, 3), (6, 2, 3), (2, 3, 2, 3)),
+                               ((1, 3), (6, 2, 3), (3, 4, 3)), ((2, 1, 3), (4, 2, 5, 3), (2, 2, 2, 5, 3)),
+                               ((2, 1, 2, 3), (2, 2, 1, 2, 3), (1, 2, 2, 1, 2, 3))):
+                out.append(Term("view", (Term("expand", (self.leaf(src),), (sh,)),), (v,)))
+            # sums over a merged first dim
+            for src, v in (((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
+                           ((2, 3, 4), (3, 2, 4))):
+                out.append(Term("rsum", (Term("view", (self.leaf(src),), (v,)),), (0,)))
             # batched products with a concat or a slice on each dim
             ab, bb = self.leaf((2, 3, 2)), self.leaf((2, 2, 4))
             for d in range(3):

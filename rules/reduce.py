@@ -149,6 +149,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"RmeanBy\" d) ms)))"]),
         rewrite("rmean-by", "(RmeanBy d x)", "(rmean x d)"),
         rewrite("rmean-scale", "(rmean (Scale x r) d)", "(Scale (rmean x d) r)"),
+    ]
+    # a sum over the first dim of a view that merged x's first two dims is the sum over
+    # both (a 3-d Linear's bias gradient: its [s*b, h] view summed over the tokens)
+    for k in range(1, 4):
+        rest = [f"(= (vec-get s {i}) (vec-get (shape x) {i + 1}))" for i in range(1, k + 1)]
+        out.append(rewrite(f"rsum-merged-view-{k}", "(rsum (view x s) 0)",
+                           "(view (rsum (rsum x 0) 1) (vec-set s 0 (dim 1)))",
+                           f"(= (ndim x) {k + 2})", f"(= (vec-length s) {k + 1})",
+                           "(= (vec-get s 0) (d* (vec-get (shape x) 0) (vec-get (shape x) 1)))", *rest))
+    out += [
         # with concrete sizes a mean is the scaled sum, so a split dim gives partial sums
         rule("rmean-as-sum", ["(= e (rmean x d))", "(= n (size x d))", "(> n 0)"],
              ["(union e (Scale (rsum x d) (bigrat (bigint 1) (bigint n))))"], symbolic=False),

@@ -262,6 +262,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
     ]
+    # a view that reshapes only the broadcast dims in front of x (x's own dims, the last k,
+    # stay as they are) is the expand to the new shape: a bias broadcast over [s*b, h]
+    # viewed as [s, b, h], as a 3-d Linear computes it
+    for k in range(1, 5):
+        tail = [f"(= (vec-get sh (- (vec-length sh) {i})) (vec-get s (- (vec-length s) {i})))"
+                for i in range(1, k + 1)]
+        out.append(rewrite(f"view-expand-lead-{k}", "(view (expand x sh) s)", "(expand x s)",
+                           f"(= (ndim x) {k})", f"(>= (vec-length s) {k})", *tail))
     # split/merge reshapes over a concat (head splits and their inverse) come from view
     # rules in the reshape family
     return out
