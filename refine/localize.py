@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from refine.ir import Graph
 from refine.opset import Registry
-from refine.prove import Inference, is_constant
+from refine.prove import Inference
 from refine.relate import DistProgram
 from refine.report import Culprit, OutputResult
 
@@ -13,10 +13,10 @@ UNCLEAN = "no clean relation: no expression over rank tensors built from concat/
 
 def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inference, prog: DistProgram,
              registry: Registry) -> Culprit:
-    """Among the ancestors of a failing output: the first node where a rank applies the
-    node's op to pieces of its inputs and makes something that is no part of the node's
-    value (a bias added to a partial sum before the reduction, say); else the first node,
-    in topological order, with no clean relation; else the node producing the output.
+    """Among the ancestors of a failing output: the first node whose input is a partial sum
+    some rank uses in a way not linear in its pieces (a bias added to a partial sum before
+    the reduction, say); else the first node, in topological order, with no clean
+    relation; else the node producing the output.
 
     The first rule matters because such a misplaced op often leaves a clean relation (the
     bias plus the sum of partials is still a sum of rank tensors) that no rank holds; the
@@ -38,9 +38,9 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         rank_node = misplaced[name]
         rank_source = prog.nodes[rank_node].source
         at = f" at {rank_source}" if rank_source else ""
-        reason = (f"a rank applies this op ({node.op}) to pieces of a partial sum, but what it makes ({rank_node}{at}) "
-                  f"is no part of the sequential value {inf.relations[name]}: the op runs before the pieces "
-                  "are summed")
+        reason = (f"a rank uses a piece of a partial sum in a way that is not linear in it ({rank_node}: "
+                  f"{prog.nodes[rank_node].op}{at}): the op runs before the pieces are summed; this node's "
+                  f"input is that sum, {', '.join(str(inf.relations[a]) for a in node.tensor_args())}")
         first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
     elif unclean:
         node = core.index()[unclean[0]]
@@ -79,38 +79,50 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
 
 def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registry,
                candidates: set[str]) -> dict[str, str]:
-    """Sequential nodes (among `candidates`, with a clean relation no rank tensor was found
-    to hold) whose op some rank applies, outside a collective, to the pieces of an input
-    that is a partial sum in a way that is not linear in them (`Op.linear`): a bias added
-    to a partial sum, a gelu before the all-reduce, two partial sums multiplied. The
-    tensor it makes must be neither the node's value nor a part of its relation (the
-    relation is cleanly found, so no rank may have computed it another way)."""
+    """Rank nodes (outside collectives) that use a piece of a partial sum in a way that is
+    not linear in it (`Op.linear`): a bias added to a partial product before the
+    reduction, a gelu before the all-reduce, two partial sums multiplied. A piece is a
+    rank tensor summed with its twins of other ranks in the clean relation of a sequential
+    tensor among `candidates`; a rank node that makes a piece itself (a bias halved on every rank
+    before the sum) is fine. Each is reported at the sequential node that uses the
+    summed tensor (preferably one with the rank node's op): sequential node -> rank node."""
     find = prog.same.find
+    order = {n.name: i for i, n in enumerate(core.nodes)}
+    pieces: dict[str, str] = {}  # rank piece -> the sequential tensor whose relation sums it
+    held: set[str] = set()  # every rank tensor of a clean relation
+    for name, rel in inf.relations.items():
+        if not inf.clean.get(name, False):
+            continue
+        held |= {find(x) for x in rel.leaves()}
+        if rel.op != "Sum" or name not in candidates:
+            continue
+        # the partial terms: one tensor of the rank programs summed over several ranks (a
+        # term held once is a whole tensor added to the sum, a replicated bias, say)
+        by_base: dict[str, list[str]] = {}
+        for a in rel.args:
+            t = a.args[0] if a.op == "Scale" else a
+            if t.op == "D":
+                by_base.setdefault(t.attrs[0].rpartition("@")[0], []).append(t.attrs[0])
+        for group in by_base.values():
+            if len(group) > 1:
+                for x in group:
+                    pieces.setdefault(find(x), name)
+    users = core.users()
     out: dict[str, str] = {}
-    for n in core.nodes:
-        if n.name not in candidates or not inf.clean.get(n.name, False) or n.name not in inf.steps:
+    for u, d in prog.defs.items():
+        rn = prog.nodes.get(u)
+        if d is None or rn is None or registry.ops[rn.op].kind == "collective" or find(u) in held:
             continue
-        if inf.steps[n.name].found:
+        flags = [a.op == "D" and find(a.attrs[0]) in pieces for a in d.args]
+        if not any(flags) or not _breaks_partial(registry.ops[d.op].linear, flags):
             continue
-        partial: set[str] = set()  # the rank pieces of the inputs that are partial sums
-        ins: set[str] = set()  # the rank tensors of every input's relation
-        for a in n.tensor_args():
-            leaves = {find(x) for x in inf.relations[a].leaves()}
-            ins |= leaves
-            if inf.relations[a].op == "Sum":
-                partial |= leaves
-        held = {find(x) for x in inf.relations[n.name].leaves()}
-        for x in sorted(partial):
-            for y in prog.same.group(x):
-                for u in prog.users.get(y, []):
-                    d, rn = prog.defs.get(u), prog.nodes.get(u)
-                    if d is None or rn is None or d.op != n.op or registry.ops[rn.op].kind == "collective":
-                        continue
-                    if find(u) in held or not all(find(z) in ins or is_constant(prog, z) for z in d.leaves()):
-                        continue
-                    if _breaks_partial(registry.ops[d.op].linear, [a.op == "D" and find(a.attrs[0]) in partial
-                                                                   for a in d.args]):
-                        out.setdefault(n.name, u)
+        summed = pieces[find(next(a for a, f in zip(d.args, flags, strict=True) if f).attrs[0])]
+        near = sorted((n for n in users.get(summed, []) if n.name in candidates), key=lambda n: order[n.name])
+        if not near:
+            continue
+        at = next((n for n in near if n.op == d.op), near[0])
+        if at.name not in out or order.get(u, 0) < order.get(out[at.name], 0):
+            out.setdefault(at.name, u)
     return out
 
 

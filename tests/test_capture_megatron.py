@@ -8,7 +8,6 @@ Skipped when megatron-core is not installed (it is in the `dev` extra).
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +30,6 @@ from refine.evaluate import differential  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CASE = MODELS / "megatron_mlp.py"
-SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
-                          reason="minutes with today's prover (unclean relations grow through the backward); "
-                                 "set REFINE_SLOW_TESTS=1")
 
 
 def _module() -> ModuleType:
@@ -174,7 +170,6 @@ def test_ln_grad_not_all_reduced_is_found_at_the_layer_norm() -> None:
     assert rel["fc2.bias.grad"] == "(fc2.bias.grad@0 + fc2.bias.grad@1)"
 
 
-@SLOW
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None:
     report = capture(MM.make_case(bug="bias_before_all_reduce", sequence_parallel=sequence_parallel)).check()
@@ -186,6 +181,8 @@ def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None
     # error of the loss, whose input relation shows the bias the ranks count twice
     assert report.culprit.source == line_of("loss = F.mse_loss(model(x), target)")
     assert any("fc2.bias" in rel or "expand" in rel for _, rel in report.culprit.inputs)
+    # the rank node that adds the bias to its partial product, in the buggy RowParallelLinear
+    assert report.culprit.rank_source == line_of("out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias")
 
 
 @pytest.mark.parametrize("bug,sequence_parallel,wrong", [
