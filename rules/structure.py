@@ -195,6 +195,11 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # scale
         rewrite("scale-scale", "(Scale (Scale x a) b)", "(Scale x (* a b))"),
         rewrite("scale-one", "(Scale x r)", "x", f"(= r {one})"),
+        # two scales of one tensor: each is a scale of the other (a rank's loss gradient
+        # scaled by 1/its batch, the sequential one by 1/the whole batch)
+        rule("scale-rebase", ["(= a (Scale y q))", "(= b (Scale y r))", "(!= q r)",
+                              f"(!= q {one.replace('bigint 1) (', 'bigint 0) (')})"],
+             ["(union b (Scale a (/ r q)))"]),
         rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
