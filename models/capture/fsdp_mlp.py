@@ -8,11 +8,10 @@ holds the Shard(0) piece of every parameter (rows of the weights, a piece of eac
 its shard of the batch. Forward all-gathers each full parameter just before it is used; the
 gather's backward reduce-scatters the full parameter's gradient with AVG, so each rank ends
 with its Shard(0) piece of the batch-averaged gradient, the piece it would update.
-`make_case(bug=...)` builds the buggy twins:
+`make_case(bug=...)` builds the buggy twin:
 
-- "reduce_scatter_sum_not_avg": the gradient is reduce-scattered with SUM: world times too large;
-- "gather_wrong_dim": fc2's weight (square here) is gathered along dim 1, so its columns
-  come out in the wrong places (its backward scatters along dim 1 as well).
+- "reduce_scatter_sum_not_avg": the gradients are reduce-scattered with SUM instead of AVG:
+  world times too large.
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ from torch import nn
 
 from refine import capture
 
-B, H, FFN = 8, 8, 8  # batch, hidden size, MLP size (fc2's weight square: see gather_wrong_dim)
-BUGS = ("reduce_scatter_sum_not_avg", "gather_wrong_dim")
+B, H, FFN = 8, 8, 8  # batch, hidden size, MLP size
+BUGS = ("reduce_scatter_sum_not_avg",)
 
 
 class MLP(nn.Module):
@@ -56,17 +55,16 @@ class GatherParam(torch.autograd.Function):
 class FSDPLinear(nn.Module):
     """A Linear whose parameters are Shard(0) on every rank, gathered for each use."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int, bug: str | None, gather_dim: int = 0) -> None:
+    def __init__(self, full: nn.Linear, rank: int, world: int, bug: str | None) -> None:
         super().__init__()
         rows, n = full.out_features // world, full.bias.numel() // world
         self.weight = capture.shard(nn.Parameter(full.weight.detach()[rank * rows:(rank + 1) * rows].clone()), 0)
         self.bias = capture.shard(nn.Parameter(full.bias.detach()[rank * n:(rank + 1) * n].clone()), 0)
         self.op = "sum" if bug == "reduce_scatter_sum_not_avg" else "avg"
-        self.gather_dim = gather_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = dist.group.WORLD
-        w = GatherParam.apply(self.weight, self.gather_dim, self.op, group)
+        w = GatherParam.apply(self.weight, 0, self.op, group)
         b = GatherParam.apply(self.bias, 0, self.op, group)
         return F.linear(x, w, b)
 
@@ -75,7 +73,7 @@ class FSDPMLP(nn.Module):
     def __init__(self, seq: MLP, rank: int, world: int, bug: str | None) -> None:
         super().__init__()
         self.fc1 = FSDPLinear(seq.fc1, rank, world, bug)
-        self.fc2 = FSDPLinear(seq.fc2, rank, world, bug, gather_dim=1 if bug == "gather_wrong_dim" else 0)
+        self.fc2 = FSDPLinear(seq.fc2, rank, world, bug)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
