@@ -450,6 +450,9 @@ class SeedGen:
         ]
         y = self.leaf((2,))
         out.append(Term("Sum", (Term("Scale", (y,), (Fraction(1, 2),)), Term("Scale", (y,), (Fraction(3),)))))
+        # a sum of three terms beside a sum of two of them
+        a, b, c = (self.leaf((2,)) for _ in range(3))
+        out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
         return out
 
 

@@ -218,6 +218,13 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(= p (cat a z d))", "(= z (full v sh))", "(= v 0.0)", "(= q (cat z2 b d))", "(= z2 (full v2 sh2))",
               "(= v2 0.0)", "(= (size a d) (size z2 d))", "(= s (shape p))", "(= s (shape q))"],
              ["(union (Sum (multiset-of p q)) (cat a b d))"]),
+        # a rank tensor that is the sum of two terms of a longer sum stands for them (each
+        # rank's partial, sum of its own terms, inside the flat sum over ranks)
+        rule("sum-group-pair",
+             ["(= e (Sum ms))", "(= u (Sum ms2))", "(= (multiset-length ms2) 2)", "(> (multiset-length ms) 2)",
+              "(= x1 (multiset-pick ms2))", "(= x2 (multiset-pick (multiset-remove ms2 x1)))",
+              "(multiset-contains ms x1)", "(multiset-contains (multiset-remove ms x1) x2)"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms x1) x2) u)))"]),
         rule("sum-single", ["(= e (Sum ms))", "(= (multiset-length ms) 1)"],
              ["(union e (multiset-pick ms))"]),
         rule("max-single", ["(= e (Max ms))", "(= (multiset-length ms) 1)"],

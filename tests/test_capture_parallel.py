@@ -9,16 +9,13 @@ Two hand-written torch.distributed programs in the style of models/capture/tp_ml
 - models/capture/fsdp_mlp.py: ZeRO-3, every parameter Shard(0), all-gathered forward, its
   gradient reduce-scattered with AVG backward; the batch is sharded. Twin: SUM, not AVG.
 
-Verdicts come from refine's checker (the router twin's check takes minutes with today's prover:
-its relations stop being clean at the router gradient and grow from there, so it runs only with
-REFINE_SLOW_TESTS=1); `refine.evaluate.differential` independently runs the
+Verdicts come from refine's checker; `refine.evaluate.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where expected.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -30,9 +27,6 @@ from refine import capture, check
 from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
-SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
-                          reason="minutes with today's prover (unclean relations grow through the backward); "
-                                 "set REFINE_SLOW_TESTS=1")
 EXPERTS = {f"experts.{p}.grad" for p in ("w1", "b1", "w2", "b2")}
 MOE_GRADS = {"ln.weight.grad", "ln.bias.grad", "gate.weight.grad"} | EXPERTS
 FSDP_GRADS = {f"{p}.grad" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
@@ -120,14 +114,17 @@ def test_router_grad_not_summed_is_wrong_only_in_the_router_gradient(moe_case: c
     assert wrong_numerically(moe_bug_case) == {"gate.weight.grad"}
 
 
-@SLOW
 def test_router_grad_not_summed_does_not_refine(moe_bug_case: capture.Case) -> None:
     report = moe_bug_case.check()
     assert not report.refines
     assert failing(report) == {"gate.weight.grad"}
-    assert report.culprit is not None
-    # the router's weight gradient: its matmul, traced to the line that runs the gate
-    assert report.culprit.source == line_of(MODELS / "moe_router.py", "probs = torch.softmax(self.gate(h), dim=-1)")
+    culprit = report.culprit
+    assert culprit is not None and culprit.output == "gate.weight.grad"
+    # the router's weight gradient, at the model's line that runs the gate; its sequential
+    # value is the sum of the ranks' gradients: the all-reduce that is missing
+    assert culprit.source == line_of(MODELS / "moe_router.py", "probs = torch.softmax(self.gate(h), dim=-1)")
+    (gate,) = [o for o in report.outputs if o.name == "gate.weight.grad"]
+    assert gate.relation == "(gate.weight.grad@0 + gate.weight.grad@1)"
 
 
 # ---------------------------------------------------------------------------------------
