@@ -161,3 +161,8 @@ def test_fsdp_reduce_scatter_sum_not_avg() -> None:
     assert culprit.source == line_of(path, "return self.fc2(F.gelu(self.fc1(x)))")
     scatter = line_of(path, "funcol.reduce_scatter_tensor(grad.contiguous()")
     assert [n for n in culprit.rank_nodes if f"at {scatter}, computes fc1.weight.grad@" in n], culprit.rank_nodes
+
+
+def test_fsdp_mlp_on_four_ranks_refines() -> None:
+    report = timed_capture(FSDP.make_case(world_size=4)).check()
+    assert report.refines, report
