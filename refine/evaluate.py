@@ -115,6 +115,7 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
         "ScaleBy": lambda r, x: ref("Scale")(x, factor=Fraction(r)),
         "SliceBy": lambda d, s, e, x: ref("slice")(x, dim=d, start=s, end=e),
         "ViewAs": lambda s, x: ref("view")(x, shape=tuple(s)),
+        "ExpandTo": lambda s, x: ref("expand")(x, shape=tuple(s)),
         "TransposeBy": lambda i, j, x: ref("transpose")(x, dim0=i, dim1=j),
         "MulBy": lambda y, x: ref("mul_t")(x, y),
         "DivBy": lambda y, x: ref("div_t")(x, y),

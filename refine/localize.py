@@ -72,6 +72,14 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             if n is not None:
                 rank_nodes.append(f"{u}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
                                   + (f" at {n.source}" if n.source else ""))
+    if not unclean:
+        # every relation is clean, so the rank program computes a wrong value in the open: show
+        # the rank nodes that produce the failing output (a collective with the wrong reduce op, say)
+        for key, tensor in sorted(prog.outputs.items()):
+            n = prog.nodes.get(tensor)
+            if key.rpartition("@")[0] == first.name and n is not None:
+                rank_nodes.append(f"{tensor}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
+                                  + (f" at {n.source}" if n.source else "") + f", computes {key}")
     return Culprit(user, user_node.op if user_node else node.op, node.source, node.name, inputs,
                    sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name,
                    rank_node, rank_source)

@@ -454,7 +454,18 @@ class SeedGen:
             Term("slice", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)),), (0, 0, 1)),
             Term("Max", (Term("Max", (self.leaf((2,)), self.leaf((2,)))), self.leaf((2,)))),
             Term("slice", (Term("transpose", (self.leaf((2, 3, 2)),), (0, 2)),), (1, 1, 3)),
+            # broadcasts of a concat and of a sum; zero-padded pieces; two scales of one tensor
+            Term("expand", (Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,)),), ((2, 3, 3),)),
+            Term("expand", (Term("Sum", (self.leaf((1, 3)), self.leaf((1, 3)))),), ((2, 3),)),
+            Term("ExpandTo", (self.leaf((1, 3)),), ((2, 3),)),
+            Term("Sum", (Term("cat", (self.leaf((2, 3)), Term("full", (), (0.0, (1, 3)))), (0,)),
+                         Term("cat", (Term("full", (), (0.0, (2, 3))), self.leaf((1, 3))), (0,)))),
         ]
+        y = self.leaf((2,))
+        out.append(Term("Sum", (Term("Scale", (y,), (Fraction(1, 2),)), Term("Scale", (y,), (Fraction(3),)))))
+        # a sum of three terms beside a sum of two of them
+        a, b, c = (self.leaf((2,)) for _ in range(3))
+        out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
         return out
 
 

@@ -213,6 +213,19 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("sum-zero", ["(= e (Sum ms))", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
                           "(> (multiset-length ms) 1)"],
              ["(union e (Sum (multiset-remove ms z)))"]),
+        # two tensors each zero where the other is not: their sum is the concat of the
+        # nonzero pieces (a slice's gradient on each rank, summed: slice_backward pads with zeros)
+        rule("sum-of-zero-padded",
+             ["(= p (cat a z d))", "(= z (full v sh))", "(= v 0.0)", "(= q (cat z2 b d))", "(= z2 (full v2 sh2))",
+              "(= v2 0.0)", "(= (size a d) (size z2 d))", "(= s (shape p))", "(= s (shape q))"],
+             ["(union (Sum (multiset-of p q)) (cat a b d))"]),
+        # a rank tensor that is the sum of two terms of a longer sum stands for them (each
+        # rank's partial, sum of its own terms, inside the flat sum over ranks)
+        rule("sum-group-pair",
+             ["(= e (Sum ms))", "(= u (Sum ms2))", "(= (multiset-length ms2) 2)", "(> (multiset-length ms) 2)",
+              "(= x1 (multiset-pick ms2))", "(= x2 (multiset-pick (multiset-remove ms2 x1)))",
+              "(multiset-contains ms x1)", "(multiset-contains (multiset-remove ms x1) x2)"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms x1) x2) u)))"]),
         rule("sum-single", ["(= e (Sum ms))", "(= (multiset-length ms) 1)"],
              ["(union e (multiset-pick ms))"]),
         rule("max-single", ["(= e (Max ms))", "(= (multiset-length ms) 1)"],
@@ -230,6 +243,10 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("view-sum", ["(= e (view (Sum ms) s))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ViewAs\" s) ms)))"]),
         rewrite("view-as", "(ViewAs s x)", "(view x s)"),
+        # broadcasting a sum is the sum of the broadcasts (a partial sum stays one)
+        rule("expand-sum", ["(= e (expand (Sum ms) sh))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"ExpandTo\" sh) ms)))"]),
+        rewrite("expand-to", "(ExpandTo sh x)", "(expand x sh)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
@@ -260,6 +277,12 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(expand (slice x (- d (- (vec-length sh) (ndim x))) s e) (vec-set sh d (d- e s)))",
                 "(>= d (- (vec-length sh) (ndim x)))",
                 "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
+        # an expand keeps a concat along a dim it does not broadcast (kept at its size)
+        rule("expand-over-cat",
+             ["(= c (cat a b d))", "(= e (expand c sh))", "(= off (- (vec-length sh) (ndim c)))",
+              "(= (vec-get sh (+ d off)) (size c d))"],
+             ["(union e (cat (expand a (vec-set sh (+ d off) (size a d))) "
+              "(expand b (vec-set sh (+ d off) (size b d))) (+ d off)))"]),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
     ]
     # a view that reshapes only the broadcast dims in front of x (x's own dims, the last k,
@@ -279,5 +302,6 @@ DECLS = [
     f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
     f"(constructor SliceBy (i64 Dim Dim T) T :cost {HELPER})",
     f"(constructor ViewAs (IV T) T :cost {HELPER})",
+    f"(constructor ExpandTo (IV T) T :cost {HELPER})",
     f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
 ]

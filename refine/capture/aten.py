@@ -189,6 +189,33 @@ def _select(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("reshape", [s], {"shape": list(_out_shape(em, node))})
 
 
+def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """slice_scatter(self, src, dim, start, end): self with [start:end] along dim replaced by
+    src, i.e. the concat of self's part before, src, and self's part after (slice_backward
+    decomposes to it: src between zeros)."""
+    x, src = em.value(a["self"]), em.value(a["src"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    n = shape[d]
+    start = 0 if a["start"] is None else a["start"]
+    end = n if a["end"] is None else a["end"]
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    if (a.get("step") or 1) != 1:
+        raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
+
+    def part(s: int, e: int, suffix: str) -> str:
+        if x in em.fills:  # a piece of a constant is a constant (the zeros of slice_backward)
+            return em.emit("full", [], {"value": em.fills[x], "shape": [*shape[:d], e - s, *shape[d + 1:]]},
+                           final=False, suffix=suffix)
+        return em.emit("slice", [x], {"dim": d, "start": s, "end": e}, final=False, suffix=suffix)
+
+    parts = ([part(0, start, "before")] if start > 0 else []) + [src] + ([part(end, n, "after")] if end < n else [])
+    if len(parts) == 1:
+        return src
+    return em.emit("concat", parts, {"dim": d})
+
+
 def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     xs = [em.value(t) for t in a["tensors"]]
     xs = [x for x in xs if em.type(x).shape != (0,)]  # torch.cat skips empty 1-d tensors
@@ -283,7 +310,7 @@ SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
-    "slice": _slice, "select": _select, "cat": _cat, "transpose": _transpose,
+    "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
 }
 SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
 MULTI: dict[str, Handler] = {

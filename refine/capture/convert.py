@@ -222,6 +222,10 @@ class Emitter:
             raise self.fail(f"output {list(path)} of a nested result is not supported")
         if name in aten.IDENTITY:
             return self._identity(n, name, a)
+        if name == "copy":
+            # copy_(dst, src) reads only dst's shape, and dst may be an uninitialised buffer
+            # (autograd's new_empty_strided for a parameter's contiguous grad): do not fold it
+            return aten.SPECIAL["copy"](self, n, a)
         folded = self._fold(n, a)
         if folded is not None:
             return folded
