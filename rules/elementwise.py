@@ -104,8 +104,24 @@ def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
 
 
+def _constant(b: Builder, a: Arg) -> Arg:
+    """A `full` constant operand as the rational it stands for (a traced seed gradient, the
+    1/M of a loss scale: a product with it lowers to a Scale like a literal's); other
+    operands as they are. A float constant that is the float nearest a small-denominator
+    rational is that rational (0.333.. from 1/3 is 1/3): refine reasons about real-valued
+    semantics, as for literals written 1/3 in a graph."""
+    if isinstance(a, str):
+        node = b.graph.index().get(a)
+        if isinstance(node, Node) and node.op == "full" and math.isfinite(v := float(node.attrs["value"])):
+            r = Fraction(v).limit_denominator(10**6)
+            return r if float(r) == v else Fraction(v)
+    return a
+
+
 def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    x, y = args
+    x, y = (_constant(b, a) for a in args)
+    if not isinstance(x, str) and not isinstance(y, str):
+        return b.const(float(Fraction(x) * Fraction(y)), out.shape, out.dtype)
     if not isinstance(y, str) and isinstance(x, str):
         return b.scale(_operand(b, x, out.shape), Fraction(y))
     if not isinstance(x, str) and isinstance(y, str):
@@ -114,7 +130,7 @@ def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
 
 
 def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    x, y = args
+    x, y = args[0], _constant(b, args[1])
     if not isinstance(y, str) and isinstance(x, str):
         if float(y) == 0.0:
             raise ShapeError("division by the literal 0")
