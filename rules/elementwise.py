@@ -78,14 +78,16 @@ def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     alpha = Fraction(attrs.get("alpha", 1))
     terms = []
     for a, f in ((x, Fraction(1)), (y, alpha)):
+        if _constant(b, a) == 0:
+            a = 0.0  # a zeros tensor (an accumulator's start) adds nothing either
         if not isinstance(a, str):
             if float(a) * float(f) == 0.0:
                 continue  # adding zero is the identity
             terms.append(b.const(float(a) * float(f), out.shape, out.dtype))
         else:
             terms.append(b.scale(_operand(b, a, out.shape), f))
-    if len(terms) == 1:
-        return terms[0]
+    if len(terms) <= 1:
+        return terms[0] if terms else b.const(0.0, out.shape, out.dtype)
     return b.emit("Sum", terms, {}, out)
 
 
