@@ -77,6 +77,11 @@ class Builder:
         return self.emit("expand", [arg], {"shape": tuple(shape)})
 
     def scale(self, ref: str, factor: Fraction) -> str:
+        node = self.graph.index().get(ref)
+        if isinstance(node, Node) and node.op == "Scale" and factor != 1:
+            # a scale of a scale is one scale: the prover then reaches the scaled tensor's
+            # users in one hop fewer (a loss scaled by 1/M, then by the seed gradient)
+            ref, factor = node.args[0], Fraction(node.attrs["factor"]) * Fraction(factor)  # type: ignore[assignment]
         return ref if factor == 1 else self.emit("Scale", [ref], {"factor": Fraction(factor)})
 
     def view(self, ref: str, shape: tuple[int, ...]) -> str:

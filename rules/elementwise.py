@@ -78,14 +78,16 @@ def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     alpha = Fraction(attrs.get("alpha", 1))
     terms = []
     for a, f in ((x, Fraction(1)), (y, alpha)):
+        if _constant(b, a) == 0:
+            a = 0.0  # a zeros tensor (an accumulator's start) adds nothing either
         if not isinstance(a, str):
             if float(a) * float(f) == 0.0:
                 continue  # adding zero is the identity
             terms.append(b.const(float(a) * float(f), out.shape, out.dtype))
         else:
             terms.append(b.scale(_operand(b, a, out.shape), f))
-    if len(terms) == 1:
-        return terms[0]
+    if len(terms) <= 1:
+        return terms[0] if terms else b.const(0.0, out.shape, out.dtype)
     return b.emit("Sum", terms, {}, out)
 
 
@@ -104,33 +106,33 @@ def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
 
 
-def _constant_factor(b: Builder, a: Arg) -> Fraction | None:
-    """A `full` constant's value (exact: a float is a binary fraction), else None."""
+def _constant(b: Builder, a: Arg) -> Arg:
+    """A `full` constant operand as the rational it stands for (a traced seed gradient, the
+    1/M of a loss scale: a product with it lowers to a Scale like a literal's); other
+    operands as they are. A float constant that is the float nearest a small-denominator
+    rational is that rational (0.333.. from 1/3 is 1/3): refine reasons about real-valued
+    semantics, as for literals written 1/3 in a graph."""
     if isinstance(a, str):
         node = b.graph.index().get(a)
-        if isinstance(node, Node) and node.op == "full" and math.isfinite(float(node.attrs["value"])):
-            return Fraction(float(node.attrs["value"]))
-    return None
+        if isinstance(node, Node) and node.op == "full" and math.isfinite(v := float(node.attrs["value"])):
+            r = Fraction(v).limit_denominator(10**6)
+            return r if float(r) == v else Fraction(v)
+    return a
 
 
 def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    x, y = args
+    x, y = (_constant(b, a) for a in args)
+    if not isinstance(x, str) and not isinstance(y, str):
+        return b.const(float(Fraction(x) * Fraction(y)), out.shape, out.dtype)
     if not isinstance(y, str) and isinstance(x, str):
         return b.scale(_operand(b, x, out.shape), Fraction(y))
     if not isinstance(x, str) and isinstance(y, str):
         return b.scale(_operand(b, y, out.shape), Fraction(x))
-    # a product with a constant tensor (the seed gradient 1, a loss's 1/n folded to a
-    # `full`) is a scaling too, so it relates to a product with the same number literal
-    fx, fy = _constant_factor(b, x), _constant_factor(b, y)
-    if fy is not None and fx is None:
-        return b.scale(_operand(b, x, out.shape), fy)
-    if fx is not None and fy is None:
-        return b.scale(_operand(b, y, out.shape), fx)
     return _lower_elementwise("mul_t")(b, args, attrs, out)
 
 
 def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    x, y = args
+    x, y = args[0], _constant(b, args[1])
     if not isinstance(y, str) and isinstance(x, str):
         if float(y) == 0.0:
             raise ShapeError("division by the literal 0")

@@ -172,6 +172,7 @@ OPS = [
 
 def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
     one = "(bigrat (bigint 1) (bigint 1))"
+    zero = "(bigrat (bigint 0) (bigint 1))"
     out = [
         # slices of a concat along its own dim fall into one side, or straddle both
         rewrite("slice-cat-left", "(slice (cat a b d) d s e)", "(slice a d s e)",
@@ -195,6 +196,9 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # scale
         rewrite("scale-scale", "(Scale (Scale x a) b)", "(Scale x (* a b))"),
         rewrite("scale-one", "(Scale x r)", "x", f"(= r {one})"),
+        # a scale by r != 0 is invertible: x is y / r (a rank tensor scaled otherwise than
+        # the sequential one, as with a loss divided by a micro-batch count)
+        rule("scale-inverse", ["(= y (Scale x r))", f"(!= r {zero})"], [f"(union x (Scale y (/ {one} r)))"]),
         rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
