@@ -9,7 +9,7 @@ it and parallelizes it on a 1-D DeviceMesh "tp":
 
 - default: {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}; the LayerNorm stays a plain
   replicated module (annotated), the output is replicated, the loss is the same on every rank;
-- `sequence_parallel=True`: {"ln": SequenceParallel(), "fc1": ColwiseParallel(input_layouts=
+- `sequence_parallel=True`: {"ln": SequenceParallel(sequence_dim=0), "fc1": ColwiseParallel(input_layouts=
   Shard(0)), "fc2": RowwiseParallel(output_layouts=Shard(0))}: each rank gets its tokens
   (rows of x) as a DTensor, the LayerNorm runs on them, fc1 all-gathers them, fc2
   reduce-scatters back to token shards, and the loss is taken on the gathered output (as
@@ -39,7 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from refine import capture
 
@@ -110,7 +115,7 @@ def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bo
             return capture.Step(model, step, {"x": x, "target": target})
         local_out = bug == "local_loss"
         parallelize_module(model, mesh, {
-            "ln": SequenceParallel(),
+            "ln": SequenceParallel(sequence_dim=0),
             "fc1": ColwiseParallel(input_layouts=Shard(0)),
             "fc2": RowwiseParallel(output_layouts=Shard(0), use_local_output=local_out),
         })

@@ -51,6 +51,25 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def fresh_caches() -> None:
+    """Forget DTensor's process-wide caches. Ranks are traced one after another in one process
+    and their DeviceMeshes are equal by value (same ranks and dim names), so a sharding or
+    redistribution plan cached while tracing rank 0 would hand rank 1 rank 0's mesh, and with
+    it rank 0's coordinate (which shard is "mine"): call this before each rank."""
+    if sys.modules.get("torch.distributed.tensor") is None:
+        return
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
+        clear = getattr(cached, "cache_clear", None)
+        if clear is not None:
+            clear()
+
+
 def _placement(p: Any, what: str) -> str:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -113,6 +132,7 @@ class Locals:
             if is_dtensor(v):
                 self.specs[name] = (v.device_mesh, tuple(v.placements), v.shape, v.stride())  # type: ignore[attr-defined]
         self.grad_annotations: dict[str, Annotation] = {}
+        fresh_caches()
 
     def traced(self, name: str, v: torch.Tensor) -> torch.Tensor:
         if name in self.specs:
@@ -132,6 +152,9 @@ class Locals:
             if name in self.specs:
                 raise CaptureError(f"the gradient of DTensor parameter {name!r} is a plain tensor")
             return g
+        if name in self.specs and g.device_mesh.get_coordinate() != self.specs[name][0].get_coordinate():  # type: ignore[attr-defined]
+            raise CaptureError(f"the gradient of {name!r} lives on a DeviceMesh with another rank's coordinate: "
+                               "a DTensor cache outlived a rank's trace")
         self.grad_annotations[name] = annotation(g.placements, g.device_mesh,  # type: ignore[attr-defined]
                                                  f"the gradient of {name!r}")
         return g.to_local()  # type: ignore[attr-defined]

@@ -71,6 +71,9 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
                            "its own fake one per rank, so call it outside any distributed setup")
     hook = sys.excepthook  # init_process_group wraps it with a "[rank r]" prefix for good
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    from refine.capture.dtensor import fresh_caches
+
+    fresh_caches()  # DTensor caches plans per (equal-by-value) DeviceMesh: none may cross ranks
     try:
         yield
     finally:
