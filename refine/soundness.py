@@ -442,6 +442,12 @@ class SeedGen:
             Term("Max", (Term("Max", (self.leaf((2,)), self.leaf((2,)))), self.leaf((2,)))),
             Term("slice", (Term("transpose", (self.leaf((2, 3, 2)),), (0, 2)),), (1, 1, 3)),
         ]
+        # like terms in a sum: two scales of one tensor (equal factors too), beside another term
+        x = self.leaf((2, 3))
+        half = Term("Scale", (x,), (Fraction(1, 2),))
+        out += [Term("Sum", (half, Term("Scale", (x,), (Fraction(3, 2),)), self.leaf((2, 3)))),
+                Term("Sum", (half, half)),
+                Term("expand", (Term("Scale", (self.leaf((1, 3)),), (Fraction(1, 2),)),), ((2, 3),))]
         return out
 
 

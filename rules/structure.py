@@ -198,6 +198,11 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
+        # like terms of a sum collect: x/2 + x/2 is x (a replicated bias split into a partial
+        # sum on every rank, say, then all-reduced)
+        rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                 "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
         # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing
         rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)"],
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
@@ -225,6 +230,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ViewAs\" s) ms)))"]),
         rewrite("view-as", "(ViewAs s x)", "(view x s)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
+        rewrite("expand-scale", "(expand (Scale x r) s)", "(Scale (expand x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
         rewrite("transpose-cat-i", "(transpose (cat a b d) d j)",
