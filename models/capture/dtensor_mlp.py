@@ -21,6 +21,10 @@ its placements. Buggy twins (`bug=`):
 - "partial_output_loss" (default plan): fc2 is RowwiseParallel(output_layouts=Partial()), to
   delay the all-reduce, and the loss is then taken on the local output, which is only this
   rank's partial sum;
+- "grad_placements_partial" (default plan): fc2 keeps a DTensor output and the step takes
+  `out.to_local(grad_placements=[Partial()])`, declaring each rank's output gradient a partial
+  sum; but every rank computes the whole gradient of the replicated loss, so all gradients
+  come out summed over the ranks (twice too large);
 - "local_loss" (sequence parallel): fc2 keeps its token shard as a local tensor and each rank
   takes the MSE on its own tokens: a mean over half the tokens, so the loss and every
   gradient are off (the ranks' losses are not the loss, and each counts its tokens twice);
@@ -49,7 +53,8 @@ from torch.distributed.tensor.parallel import (
 from refine import capture
 
 T, H, FFN = 8, 16, 32  # tokens, hidden size, MLP size
-BUGS = {"partial_output_loss": False, "local_loss": True, "ln_grad_not_reduced": True}  # bug -> sequence parallel
+BUGS = {"partial_output_loss": False, "grad_placements_partial": False, "local_loss": True,
+        "ln_grad_not_reduced": True}  # bug -> sequence parallel
 
 
 class MLP(nn.Module):
@@ -84,6 +89,14 @@ def local_loss_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> 
     return loss
 
 
+def grad_placements_partial_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Twin "grad_placements_partial": the output's gradient declared a partial sum."""
+    out = model(x).to_local(grad_placements=[Partial()])
+    loss = F.mse_loss(out, target)
+    loss.backward()
+    return loss
+
+
 def ln_grad_not_reduced_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Twin "ln_grad_not_reduced": gradients re-wrapped with their parameter's placement."""
     loss = train_step(model, x, target)
@@ -108,7 +121,10 @@ def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bo
         model = copy.deepcopy(seq)
         step = train_step
         if not sequence_parallel:
-            fc2 = RowwiseParallel(output_layouts=Partial()) if bug == "partial_output_loss" else RowwiseParallel()
+            fc2 = RowwiseParallel(output_layouts=Partial()) if bug == "partial_output_loss" else \
+                RowwiseParallel(use_local_output=bug != "grad_placements_partial")
+            if bug == "grad_placements_partial":
+                step = grad_placements_partial_step
             parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": fc2})
             for name in ("ln.weight", "ln.bias", "x", "target"):  # plain tensors, the same on every rank
                 capture.replicate(name)
