@@ -8,11 +8,11 @@ from pathlib import Path
 
 from refine.expr import Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Placement, case_symbols
+from refine.ir import Dist, Graph, Placement, Relation, case_symbols
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
-from refine.prove import Engine, frontier, infer
+from refine.prove import Engine, frontier, infer, structural_ancestry
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report
 
@@ -71,11 +71,19 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
             results.append(_default(out.name, out.role, rel, prog, engine, registry))
     refines = all(r.ok for r in results)
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry)
-    guesses = [f"{r.source}: replicated (same name and shape on every rank)" for r in dist.relations if r.guessed]
+    guesses = [_guess(r) for r in dist.relations if r.guessed]
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
+
+
+def _guess(r: Relation) -> str:
+    if r.where:  # written in the document, flagged as a guess by whoever wrote it
+        pl = ", ".join(map(str, r.placements or ()))
+        local = f" (rank input {r.local})" if r.local != r.source else ""
+        return f"{r.source}{local}: [{pl}] (guessed from names and shapes)"
+    return f"{r.source}: replicated (same name and shape on every rank)"
 
 
 def _describe_symbols(seq: Graph, dist: Dist) -> list[str]:
@@ -98,12 +106,15 @@ def _explicit(name: str, role: str, rel: Term, local: str, placements: tuple[Pla
     wanted = placed_terms(lambda r: f"{local}@{r}", placements, dist.mesh)
     wanted = [_as_out(t) for t in wanted]
     tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    # how the expected outputs are assembled (an all-reduce of flattened gradients, sliced)
+    wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
+    tensors += [x for x in structural_ancestry(prog, wanted_leaves, EXPECT_HOPS) if x not in set(tensors)]
     res = engine.step(rel, prog, registry, tensors, checks=wanted)
     ok = all(res.checks)
     pl = ", ".join(map(str, placements))
     expect = f"{local} on every rank, placed [{pl}]"
     detail = "" if ok else f"expected {wanted[res.checks.index(False)]}"
-    return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail)
+    return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail, local)
 
 
 def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from refine import dims
-from refine.expr import Term
+from refine.expr import OPAQUE, Term
 from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, case_symbols, tensor_name
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
@@ -309,8 +309,9 @@ def simulate(op: str, xs: list[Tensor], i: int, attrs: Mapping[str, Any]) -> Ten
 
 
 def eval_term(t: Term, registry: Registry, leaves: Mapping[str, Tensor] | Callable[[str], Tensor],
-              cache: dict[Term, Tensor] | None = None) -> Tensor:
-    """A relation term's value; `leaves` gives each `D`/`Out` leaf's value by name."""
+              cache: dict[Term, Tensor] | None = None, opaque: Mapping[str, Tensor] | None = None) -> Tensor:
+    """A relation term's value; `leaves` gives each `D`/`Out` leaf's value by name, and
+    `opaque` each opaque leaf's (a sequential tensor's) value."""
     get = leaves if callable(leaves) else leaves.__getitem__
     helpers = helper_semantics(registry)
     hsorts = helper_sorts(registry)
@@ -321,6 +322,10 @@ def eval_term(t: Term, registry: Registry, leaves: Mapping[str, Tensor] | Callab
             return memo[t]
         if t.op in ("D", "Out"):
             v = canon(get(t.attrs[0]))
+        elif t.op == OPAQUE:
+            if opaque is None or t.attrs[0] not in opaque:
+                raise EvalError(f"no value for the sequential tensor {t.attrs[0]!r}")
+            v = canon(opaque[t.attrs[0]])
         elif t.op in helpers and t.op in hsorts:
             args = helper_args(hsorts[t.op], [go(a) for a in t.args], t.attrs)
             v = canon(helpers[t.op](*args))
@@ -643,7 +648,7 @@ def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog:
     for name, rel in relations.items():
         want = seq_vals[name]
         try:
-            got = eval_term(rel, registry, leaf_value, cache)
+            got = eval_term(rel, registry, leaf_value, cache, opaque=seq_vals)
         except Exception as e:  # noqa: BLE001 - an unevaluable relation is a mismatch
             out.append(Mismatch(name, str(rel), math.inf, f"cannot evaluate: {e}"))
             continue

@@ -14,6 +14,11 @@ from typing import Any
 
 LEAF_OPS = ("D", "Out")
 NARY = ("Sum", "Max")
+# A sequential tensor with no clean relation, standing for itself in the relations of the
+# nodes that use it: it is never clean (it costs like a compute op) and has no definition,
+# so what is proven over it holds whatever its value, and terms no longer grow along a
+# buggy chain.
+OPAQUE = "Opq"
 
 
 @dataclass(frozen=True)
@@ -66,9 +71,15 @@ def scale(t: Term, c: Fraction) -> Term:
 # Printing, the way reports show relations: cat(a@0, a@1, dim=0), a@0 + a@1, 1/2 * x@0.
 
 
+def opaque(name: str) -> Term:
+    return Term(OPAQUE, (), (name,))
+
+
 def show(t: Term) -> str:
     if t.op in LEAF_OPS:
         return t.attrs[0]
+    if t.op == OPAQUE:
+        return f"<{t.attrs[0]}>"
     if t.op == "cat":
         parts, node = [], t
         while node.op == "cat" and node.attrs == t.attrs:
@@ -100,7 +111,7 @@ def _show_attr(a: Any) -> str:
 
 
 def to_egglog(t: Term, sorts: dict[str, tuple[str, ...]]) -> str:
-    if t.op in LEAF_OPS:
+    if t.op in LEAF_OPS or t.op == OPAQUE:
         return f'({t.op} "{t.attrs[0]}")'
     if t.op in NARY:
         return f"({t.op} (multiset-of {' '.join(to_egglog(a, sorts) for a in t.args)}))"
@@ -191,7 +202,7 @@ def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:
     if isinstance(sexp, str):
         raise ValueError(f"expected a tensor term, got {sexp}")
     head, *rest = sexp
-    if head in LEAF_OPS:
+    if head in LEAF_OPS or head == OPAQUE:
         return Term(head, (), (_unquote(rest[0]),))
     if head in NARY:
         ms = rest[0]

@@ -50,7 +50,7 @@ FIELDS = {
     "mesh": ("axes",),
     "axis": ("name", "size"),
     "rank": ("rank", "graph"),
-    "relation": ("from", "input", "placements", "layout"),
+    "relation": ("from", "input", "placements", "layout", "guessed"),
     "expectation": ("output", "local", "placements"),
 }
 
@@ -643,9 +643,9 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         src = _once(c, rel, "from", at, seq_inputs, related, "relation", "an input")
         want = seq_inputs[src].type.shape
         if "layout" in rel:
-            for k in ("placements", "input"):
+            for k in ("placements", "input", "guessed"):
                 if k in rel:
-                    raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements', not both")
+                    raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements'/'guessed', not both")
             text = c.get(rel, "layout", at, str)
             try:
                 term = parse_layout(text)
@@ -666,6 +666,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if "placements" not in rel:
             raise c.fail(at, "a relation needs 'placements' or 'layout'")
         pl = _placements(c, rel, at, mesh, len(want), f"sequential input {src!r}")
+        guessed = c.get(rel, "guessed", at, bool, False)
         for r, g in sorted(ranks.items()):
             if local not in {x.name for x in g.inputs}:
                 raise c.fail(f"{at}.input" if "input" in rel else f"{at}.from",
@@ -675,7 +676,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"the ranks' pieces of {src!r} ({local!r} placed [{', '.join(map(str, pl))}]) "
                                              f"make shape {list(got)}, but the sequential input has {list(want)}")
-        relations.append(Relation(src, local, pl, where=at))
+        relations.append(Relation(src, local, pl, guessed=guessed, where=at))
 
     expectations: list[Expectation] = []
     seq_outs = {o.name: o for o in seq.outputs}

@@ -69,6 +69,10 @@ class Op:
     lower: Callable[..., Any] | None = None  # collectives: (inputs by group member, index, attrs) -> Term
     family: str = ""
     doc: str = ""
+    # How the op treats a partial sum (localization reads it): "each", linear in every
+    # tensor argument with the others fixed (matmul); "first", in the first one only
+    # (x / y, a slice); "joint", in all of them together (Sum, cat); "" not linear.
+    linear: str = ""
 
     @property
     def cost(self) -> int:

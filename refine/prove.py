@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from egglog import bindings
 
-from refine.expr import LEAF_OPS, NARY, Term, from_egglog, lit, parse_sexp
+from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
 from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
 from refine.relate import DistProgram, term_type
@@ -46,7 +47,8 @@ class Engine:
     registry: Registry
     symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0})
-    cache: dict[str, tuple[Term, int, list[str], tuple[bool, ...]]] = field(default_factory=dict)
+    cache: dict[str, _Solved] = field(default_factory=dict)
+    fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
 
     def __post_init__(self) -> None:
         reg = self.registry
@@ -61,6 +63,7 @@ class Engine:
             "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec Dim))", "(sort TF (UnstableFn (T) T))",
             f"(constructor D (String) T :cost {LEAF})",
             f"(constructor Out (String) T :cost {LEAF_OUT})",
+            f"(constructor {OPAQUE} (String) T :cost {COMPUTE})",
             "(function shape (T) IV :merge old)",
             "(constructor Mark (T) T)", "(relation Found (String))",
             "(ruleset shapes)",
@@ -80,7 +83,7 @@ class Engine:
         for r in self.registry.rules:
             if self.symbolic and not r.symbolic:
                 continue
-            text = r.text
+            text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
             if r.name.startswith("prefix-product"):
                 text = _in_ruleset(text, "shapes")
             lines.append(text)
@@ -126,19 +129,20 @@ class Engine:
         else:
             self.stats["reused"] += 1
         back = {v: k for k, v in names.items()}
-        best_c, cost, found_c, results = hit
-        best = _rename(best_c, back)
-        found = [back[f][1] for f in found_c if f in back and back[f][0] == "D"]
+        best = _rename(hit.best, back)
+        found = [back[f][1] for f in hit.found if f in back and back[f][0] == "D"]
+        self.fired.update(hit.fired)  # a reused step counts as the rules that proved it
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
-        return StepResult(best, cost, found, list(results), dt)
+        return StepResult(best, hit.cost, found, list(hit.checks), dt)
 
-    def _solve(self, program: str, checks: list[str]) -> tuple[Term, int, list[str], tuple[bool, ...]]:
+    def _solve(self, program: str, checks: list[str]) -> _Solved:
         self._run("(push)")
         try:
             self._run(program)
-            self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            ran = self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            fired = Counter({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
             out = self._run("(extract $__seq)\n(print-function Found 100000)")
             best_out = out[0]
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
@@ -153,10 +157,22 @@ class Engine:
                     results.append(False)
         finally:
             self._run("(pop)")
-        return best, cost, found, tuple(results)
+        return _Solved(best, cost, found, tuple(results), fired)
 
 
-_LEAF = re.compile(r'\((D|Out) "((?:[^"\\]|\\.)*)"\)')
+@dataclass(frozen=True)
+class _Solved:
+    """A step's result over canonical leaf names, as the cache keeps it."""
+
+    best: Term
+    cost: int
+    found: list[str]
+    checks: tuple[bool, ...]
+    fired: Counter[str]
+
+
+_LEAF = re.compile(r'\((D|Out|Opq) "((?:[^"\\]|\\.)*)"\)')
+_PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
 
 
 def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
@@ -166,14 +182,14 @@ def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
     def sub(m: re.Match[str]) -> str:
         key = (m.group(1), m.group(2))
         if key not in names:
-            names[key] = f"{'o' if key[0] == 'Out' else 't'}{len(names)}"
+            names[key] = f"{_PREFIX[key[0]]}{len(names)}"
         return f'({key[0]} "{names[key]}")'
 
     return _LEAF.sub(sub, text), names
 
 
 def _rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
-    if t.op in LEAF_OPS:
+    if t.op in LEAF_OPS or t.op == OPAQUE:
         return Term(t.op, (), (back[t.attrs[0]][1],))
     return Term(t.op, tuple(_rename(a, back) for a in t.args), t.attrs)
 
@@ -192,6 +208,7 @@ class _Emitter:
         self.lines: list[str] = []
         self.names: dict[Term, str] = {}
         self.shaped: set[str] = set()
+        self.opaque: set[str] = set()
 
     def leaf(self, name: str) -> str:
         name = self.prog.same.find(name)
@@ -212,6 +229,13 @@ class _Emitter:
             if t.op == "Out":
                 return f'(Out "{t.attrs[0]}")'
             return self.leaf(t.attrs[0])
+        if t.op == OPAQUE:
+            name = t.attrs[0]
+            if name not in self.opaque:
+                self.opaque.add(name)
+                shape = self.prog.opaque[name].shape
+                self.lines.append(f'(set (shape ({OPAQUE} "{name}")) {lit(shape, "IV", self.py)})')
+            return f'({OPAQUE} "{name}")'
         if t in self.names:
             return self.names[t]
         args = [self.term(a, typed, inline) for a in t.args]
@@ -250,6 +274,54 @@ def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
     return Term(n.op, args, tuple(n.attrs[k] for k, _ in op.attrs if k in n.attrs))
 
 
+_COLLECTIVES = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"})
+_VIEWS = frozenset({"view", "transpose"})
+
+
+def _behind(prog: DistProgram, leaves: set[str]) -> set[str]:
+    """The tensors leaves are views of (one view deep) and, for those that are a
+    collective's result, its inputs."""
+    out: set[str] = set()
+    for x in leaves:
+        todo = [x]
+        d = prog.defs.get(x)
+        if d is not None and d.op in _VIEWS:
+            todo += sorted(d.leaves())
+            out.update(d.leaves())
+        for y in todo:
+            node, dy = prog.nodes.get(y), prog.defs.get(y)
+            if node is not None and node.op in _COLLECTIVES and dy is not None:
+                out.add(y)
+                out.update(dy.leaves())
+    return out - set(leaves)
+
+
+_STRUCTURAL = frozenset({"view", "slice", "cat", "Sum", "Scale", "transpose"})
+
+
+def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> list[str]:
+    """Rank tensors that `names` are built from by the relation language's own ops (views,
+    slices, concats, sums: collectives and the flattening of gradients into one buffer to
+    reduce), up to `hops` definitions back, in a deterministic order. Their definitions
+    relate an expected rank output back to the tensors a relation is written over."""
+    out: list[str] = []
+    seen: set[str] = set()
+    layer = sorted(set(names))
+    for _ in range(hops):
+        nxt: set[str] = set()
+        for x in layer:
+            d = prog.defs.get(x)
+            if x in seen or d is None or d.op not in _STRUCTURAL:
+                continue
+            seen.add(x)
+            out.append(x)
+            nxt.update(d.leaves())
+        layer = sorted(nxt - seen)
+        if not layer:
+            break
+    return out
+
+
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order."""
@@ -258,6 +330,15 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
     seen = set(chosen)
     layer = set(leaves)
+    # what a leaf is a view of, and the pieces of a collective it is (a view of), come
+    # along with their users: a sum of the whole where the ranks sum its pieces before
+    # viewing or gathering (a 3-d Linear's bias gradient, a gathered gradient)
+    for x in sorted(_behind(prog, leaves)):
+        if x not in seen and prog.defs.get(x) is not None:
+            seen.add(x)
+            chosen.append(x)
+        layer.add(x)
+        avail.add(canon(x))
     for _ in range(hops):
         nxt: set[str] = set()
         for x in layer:
@@ -265,15 +346,17 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
                 if u in seen:
                     continue
                 d = prog.defs[u]
-                if d is not None and all(canon(dep) in avail or _constant(prog, dep) for dep in d.leaves()):
+                if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
-            # constants the lowering made (a literal operand becomes `full`) come along
+            # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
             for dep in sorted(prog.defs[u].leaves()):  # type: ignore[union-attr]
-                if _constant(prog, dep) and dep not in seen:
-                    seen.add(dep)
-                    chosen.append(dep)
+                if is_constant(prog, dep):
+                    for c in _constant_closure(prog, dep):
+                        if c not in seen:
+                            seen.add(c)
+                            chosen.append(c)
             seen.add(u)
             chosen.append(u)
             avail.add(canon(u))
@@ -283,36 +366,66 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     return chosen
 
 
-def _constant(prog: DistProgram, name: str) -> bool:
-    """A rank tensor defined without any rank tensor: a `full` constant."""
-    d = prog.defs.get(name)
-    return d is not None and not d.leaves()
+def is_constant(prog: DistProgram, name: str) -> bool:
+    """A rank tensor computed from constants only (`full`, `expand(full)`, ...): it is
+    available to every step, whatever the relations found so far."""
+    memo = prog.constant
+    if name not in memo:
+        memo[name] = False  # a cycle (impossible in a valid program) is not constant
+        d = prog.defs.get(name)
+        memo[name] = d is not None and all(is_constant(prog, x) for x in d.leaves())
+    return memo[name]
+
+
+def _constant_closure(prog: DistProgram, name: str) -> list[str]:
+    """A constant rank tensor and the constants its definition reads, recursively."""
+    out, stack = [], [name]
+    while stack:
+        x = stack.pop()
+        if x in out:
+            continue
+        out.append(x)
+        stack.extend(sorted(prog.defs[x].leaves()))  # type: ignore[union-attr]
+    return out
 
 
 def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry,
           hops: tuple[int, ...] = (3, 8)) -> Inference:
-    rel = dict(inputs)
+    """Relate every sequential node, in topological order. A node with no clean relation
+    keeps its best term for the report, but the nodes using it see it as an opaque leaf
+    (expr.OPAQUE): an unclean term carried along would grow with every op after it and
+    make each later e-graph larger, while it is already known not to be what the ranks
+    hold. A node over an opaque input gets no wider retry: it cannot become clean by
+    finding more rank tensors for the inputs that are clean."""
+    down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
+    shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
     for n in seq.nodes:
-        term = node_term(n, rel, registry)
+        term = node_term(n, down, registry)
         leaves = term.leaves()
+        tries = hops[:1] if OPAQUE in term.ops() else hops
         res = None
-        for h in hops:
+        for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
             res = engine.step(term, prog, registry, tensors)
             if res.clean:
                 break
         assert res is not None
-        rel[n.name] = res.best
+        shown[n.name] = res.best
         clean[n.name] = res.clean
         steps[n.name] = res
+        known |= res.best.leaves()
+        if res.clean:
+            down[n.name] = res.best
+        else:
+            prog.opaque[n.name] = n.type
+            down[n.name] = opaque(n.name)
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
-        known |= res.best.leaves()
-    return Inference(rel, clean, steps)
+    return Inference(shown, clean, steps)
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refine.expr import Term, cat, leaf, nary
+from refine.expr import OPAQUE, Term, cat, leaf, nary
 from refine.format import InputError
 from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
 from refine.normalize import lower
@@ -60,6 +60,8 @@ class DistProgram:
     users: dict[str, list[str]] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # "name@r" of a rank output -> tensor
     same: UnionFind = field(default_factory=UnionFind)
+    opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (expr.OPAQUE)
+    constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.is_constant
 
     def add(self, name: str, typ: TensorType, definition: Term | None, node: Node | None) -> None:
         self.types[name] = typ
@@ -265,6 +267,8 @@ def term_type(t: Term, prog: DistProgram, registry: Registry) -> TensorType:
         return prog.types[t.attrs[0]]
     if t.op == "Out":  # a rank output, named "output@rank": the type of the tensor it names
         return prog.types[prog.outputs[t.attrs[0]]]
+    if t.op == OPAQUE:
+        return prog.opaque[t.attrs[0]]
     ins = [term_type(a, prog, registry) for a in t.args]
     op = registry.ops[t.op]
     attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}

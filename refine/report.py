@@ -22,6 +22,7 @@ class OutputResult:
     expectation: str
     ok: bool
     detail: str = ""
+    local: str | None = None  # the rank output it is expected at, when the expectation names one
 
 
 @dataclass
@@ -37,6 +38,8 @@ class Culprit:
     relation: str  # the best (unclean) expression found for the node
     reason: str
     output: str  # the failing output that led here
+    rank_node: str | None = None  # the rank node that went wrong, when one is known
+    rank_source: str | None = None  # its source line
 
 
 @dataclass
@@ -86,7 +89,11 @@ def print_report(r: Report, console: Console | None = None) -> None:
         if c is not None:
             where = f" at {c.source}" if c.source else ""
             lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",
-                      f"reason: {c.reason}", f"failing output: {c.output}", "inputs and their relations:"]
+                      f"reason: {c.reason}", f"failing output: {c.output}"]
+            if c.rank_node:
+                lines.append(f"rank node where it goes wrong: {c.rank_node}"
+                             + (f" at {c.rank_source}" if c.rank_source else ""))
+            lines.append("inputs and their relations:")
             lines += [f"  {name} = {rel}" for name, rel in c.inputs]
             if c.relation:
                 lines.append(f"best expression found for it: {c.relation}")

@@ -368,6 +368,15 @@ class SeedGen:
                 out.append(Term("transpose", (Term("cat", (a3, b3), (1,)),), ij))
             e = Term("expand", (self.leaf((1, 3)),), ((2, 4, 3),))
             out += [Term("slice", (e,), (0, 1, 2)), Term("slice", (e,), (1, 1, 3)), Term("slice", (e,), (2, 0, 2))]
+            # views of broadcast dims in front of an expanded tensor (1 to 4 dims of its own)
+            for src, sh, v in (((3,), (4, 2, 3), (8, 3)), ((1, 3), (6, 2, 3), (2, 3, 2, 3)),
+                               ((1, 3), (6, 2, 3), (3, 4, 3)), ((2, 1, 3), (4, 2, 5, 3), (2, 2, 2, 5, 3)),
+                               ((2, 1, 2, 3), (2, 2, 1, 2, 3), (1, 2, 2, 1, 2, 3))):
+                out.append(Term("view", (Term("expand", (self.leaf(src),), (sh,)),), (v,)))
+            # sums over a merged first dim
+            for src, v in (((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
+                           ((2, 3, 4), (3, 2, 4))):
+                out.append(Term("rsum", (Term("view", (self.leaf(src),), (v,)),), (0,)))
             # batched products with a concat or a slice on each dim
             ab, bb = self.leaf((2, 3, 2)), self.leaf((2, 2, 4))
             for d in range(3):
@@ -399,6 +408,10 @@ class SeedGen:
                 Term("RsumBy", (t,), (r.randrange(2),)),
                 Term("RmaxBy", (t,), (r.randrange(2),)),
             ]
+            # two multiples of one tensor (one of them a negative fraction), and of zero
+            u = self.leaf((2, 3))
+            out += [Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), Term("Scale", (u,), (Fraction(-3, 4),)))),
+                    Term("Sum", (Term("Scale", (u,), (Fraction(0),)), Term("Scale", (u,), (Fraction(5),))))]
         rng, self.rng = self.rng, random.Random(f"{self.seed}:indexing")  # leave the stream above as it was
         for _ in range(self.instances):
             out += self.special_indexing()

@@ -104,12 +104,28 @@ def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
 
 
+def _constant_factor(b: Builder, a: Arg) -> Fraction | None:
+    """A `full` constant's value (exact: a float is a binary fraction), else None."""
+    if isinstance(a, str):
+        node = b.graph.index().get(a)
+        if isinstance(node, Node) and node.op == "full" and math.isfinite(float(node.attrs["value"])):
+            return Fraction(float(node.attrs["value"]))
+    return None
+
+
 def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
     if not isinstance(y, str) and isinstance(x, str):
         return b.scale(_operand(b, x, out.shape), Fraction(y))
     if not isinstance(x, str) and isinstance(y, str):
         return b.scale(_operand(b, y, out.shape), Fraction(x))
+    # a product with a constant tensor (the seed gradient 1, a loss's 1/n folded to a
+    # `full`) is a scaling too, so it relates to a product with the same number literal
+    fx, fy = _constant_factor(b, x), _constant_factor(b, y)
+    if fy is not None and fx is None:
+        return b.scale(_operand(b, x, out.shape), fy)
+    if fx is not None and fy is None:
+        return b.scale(_operand(b, y, out.shape), fx)
     return _lower_elementwise("mul_t")(b, args, attrs, out)
 
 
@@ -209,7 +225,8 @@ OPS = [
     Op("clamp", 1, _same_shape(), (("min", "float?"), ("max", "float?")), ref=_clamp_ref, decompose=_clamp),
     *(Op(n[:-2], 1, _same_shape("bool" if n in PREDICATES else None), ref=f,
          decompose=_lower_elementwise(n)) for n, f in UNARY.items()),
-    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise")
+    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise",
+         linear={"mul_t": "each", "div_t": "first"}.get(n, ""))
       for n, f in BINARY.items()),
     Op("masked_fill_t", 2, _same_shape(), (("value", "float"),),
        ref=lambda x, m, value: x.masked_fill(m.bool(), value), core=True, kind="elementwise"),

@@ -28,7 +28,7 @@ OPS = [
        core=True,
        egglog_shape="(rule ((= e (embedding w ids)) (= sw (shape w)) (= si (shape ids))) "
        "((set (shape e) (vec-push si (vec-get sw 1)))))",
-       doc="rows of weight (first arg) picked by ids (second arg)"),
+       doc="rows of weight (first arg) picked by ids (second arg)", linear="first"),
 ]
 
 _MASK = ("(logical_or_t (lt_t ids (full (to-f64 s) si)) "

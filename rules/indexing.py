@@ -105,7 +105,7 @@ OPS = [
     Op("gather", 2, _gather_shape, (("dim", "dim"),), ref=lambda x, idx, dim: torch.gather(x, dim, idx.long()),
        core=True,
        egglog_shape="(rule ((= e (gather x i g)) (= si (shape i))) ((set (shape e) si)))",
-       doc="aten.gather: args x, index; out[j] = x[j with index[j] at dim]"),
+       doc="aten.gather: args x, index; out[j] = x[j with index[j] at dim]", linear="first"),
     Op("scatter_value", 2, _scatter_shape, (("dim", "dim"), ("value", "float")),
        ref=lambda x, idx, dim, value: torch.scatter(x, dim, idx.long(), value), core=True,
        egglog_shape="(rule ((= e (scatter_value x i g v)) (= s (shape x))) ((set (shape e) s)))",

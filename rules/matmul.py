@@ -88,7 +88,7 @@ OPS = [
     Op("matmul", 2, _user_matmul_shape, ref=torch.matmul, core=True, kind="compute",
        decompose=_lower_matmul,
        egglog_shape="(rule ((= e (matmul a b)) (= sa (shape a)) (= sb (shape b))) "
-       "((set (shape e) (vec-set sa (- (vec-length sa) 1) (vec-get sb (- (vec-length sb) 1))))))"),
+       "((set (shape e) (vec-set sa (- (vec-length sa) 1) (vec-get sb (- (vec-length sb) 1))))))", linear="each"),
     Op("mm", 2, _user_matmul_shape, ref=torch.mm, decompose=_lower_matmul),
     Op("bmm", 2, _user_matmul_shape, ref=torch.bmm, decompose=_lower_matmul),
     Op("linear", -1, _linear_shape, ref=_linear_ref, decompose=_linear,

@@ -100,12 +100,12 @@ KEEP_SHAPE_EGG = "(rule ((= e (OP x d)) (= s (shape x))) ((set (shape e) (vec-se
 
 OPS = [
     Op("rsum", 1, _summed(_keep_shape), (("dim", "dim"),), ref=lambda x, dim: x.sum(dim, keepdim=True),
-       core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rsum"), doc="sum over dim, kept"),
+       core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rsum"), doc="sum over dim, kept", linear="first"),
     Op("rmax", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.amax(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmax"), doc="max over dim, kept"),
     Op("rmean", 1, _keep_shape, (("dim", "dim"),), ref=lambda x, dim: x.mean(dim, keepdim=True),
        core=True, egglog_shape=KEEP_SHAPE_EGG.replace("OP", "rmean"),
-       doc="mean over dim, kept (means over a symbolic size; concrete ones are scaled sums)"),
+       doc="mean over dim, kept (means over a symbolic size; concrete ones are scaled sums)", linear="first"),
     Op("sum", 1, _summed(_user_shape), (("dim", "dims?"), ("keepdim", "bool?")),
        ref=lambda x, dim=None, keepdim=False: x.sum(dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
        decompose=_reduce("rsum")),
@@ -149,6 +149,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"RmeanBy\" d) ms)))"]),
         rewrite("rmean-by", "(RmeanBy d x)", "(rmean x d)"),
         rewrite("rmean-scale", "(rmean (Scale x r) d)", "(Scale (rmean x d) r)"),
+    ]
+    # a sum over the first dim of a view that merged x's first two dims is the sum over
+    # both (a 3-d Linear's bias gradient: its [s*b, h] view summed over the tokens)
+    for k in range(1, 4):
+        rest = [f"(= (vec-get s {i}) (vec-get (shape x) {i + 1}))" for i in range(1, k + 1)]
+        out.append(rewrite(f"rsum-merged-view-{k}", "(rsum (view x s) 0)",
+                           "(view (rsum (rsum x 0) 1) (vec-set s 0 (dim 1)))",
+                           f"(= (ndim x) {k + 2})", f"(= (vec-length s) {k + 1})",
+                           "(= (vec-get s 0) (d* (vec-get (shape x) 0) (vec-get (shape x) 1)))", *rest))
+    out += [
         # with concrete sizes a mean is the scaled sum, so a split dim gives partial sums
         rule("rmean-as-sum", ["(= e (rmean x d))", "(= n (size x d))", "(> n 0)"],
              ["(union e (Scale (rsum x d) (bigrat (bigint 1) (bigint n))))"], symbolic=False),

@@ -135,23 +135,23 @@ OPS = [
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (cat a b d)) (= sa (shape a)) (= sb (shape b))) "
        "((set (shape e) (vec-set sa d (d+ (vec-get sa d) (vec-get sb d))))))",
-       doc="concatenation of two tensors along dim (lists of more nest to the right)"),
+       doc="concatenation of two tensors along dim (lists of more nest to the right)", linear="joint"),
     Op("slice", 1, _slice_shape, (("dim", "int"), ("start", "size"), ("end", "size")),
        ref=_ref_slice, core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (slice x d b f)) (= s (shape x))) ((set (shape e) (vec-set s d (d- f b)))))",
-       doc="x[start:end] along dim (step 1)"),
+       doc="x[start:end] along dim (step 1)", linear="first"),
     Op("view", 1, _view_shape, (("shape", "shape"),), ref=lambda x, shape: x.reshape(shape),
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (view x s))) ((set (shape e) s)))",
-       doc="row-major reshape"),
+       doc="row-major reshape", linear="first"),
     Op("transpose", 1, _transpose_shape, (("dim0", "int"), ("dim1", "int")),
        ref=lambda x, dim0, dim1: x.transpose(dim0, dim1), core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (transpose x i j)) (= s (shape x))) "
-       "((set (shape e) (vec-set (vec-set s i (vec-get s j)) j (vec-get s i)))))"),
+       "((set (shape e) (vec-set (vec-set s i (vec-get s j)) j (vec-get s i)))))", linear="first"),
     Op("expand", 1, _expand_shape, (("shape", "shape"),), ref=lambda x, shape: x.expand(shape),
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (expand x s))) ((set (shape e) s)))",
-       doc="broadcast x (right-aligned) to shape"),
+       doc="broadcast x (right-aligned) to shape", linear="first"),
     Op("full", 0, _full_shape, (("value", "float"), ("shape", "shape")), ref=_ref_full,
        core=True, clean=True, kind="clean",
        egglog_shape="(rule ((= e (full v s))) ((set (shape e) s)))",
@@ -160,10 +160,10 @@ OPS = [
        decompose=_concat, doc="aten.cat: any number of tensors along dim"),
     Op("Scale", 1, _same, (("factor", "rational"),), ref=_ref_scale, core=True, clean=True,
        kind="unary", egglog_shape=SHAPE_SAME.replace("OP", "Scale").replace(" ARGS", " r"),
-       doc="x times an exact rational"),
+       doc="x times an exact rational", linear="first"),
     Op("Sum", -1, _nary_shape, ref=_ref_sum, core=True, clean=True, kind="nary",
        egglog_shape="(rule ((= e (Sum ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
-       doc="sum of a multiset of tensors"),
+       doc="sum of a multiset of tensors", linear="joint"),
     Op("Max", -1, _nary_shape, ref=_ref_max, core=True, clean=True, kind="nary",
        egglog_shape="(rule ((= e (Max ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
        doc="elementwise max of a multiset of tensors"),
@@ -203,6 +203,12 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
                                  "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
              ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
+        # a multiple of x is a multiple of any other non-zero multiple of x: so a relation
+        # Scale(x, a) is found as a multiple of the rank tensor holding Scale(x, b) (a
+        # gradient averaged where the sequential one is summed, a loss scaled twice)
+        rule("scale-factor", ["(= e1 (Scale x a))", "(= e2 (Scale x b))", "(!= a b)",
+                              "(!= b (bigrat (bigint 0) (bigint 1)))"],
+             ["(union e1 (Scale e2 (/ a b)))"]),
         # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing
         rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)"],
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
@@ -262,6 +268,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
     ]
+    # a view that reshapes only the broadcast dims in front of x (x's own dims, the last k,
+    # stay as they are) is the expand to the new shape: a bias broadcast over [s*b, h]
+    # viewed as [s, b, h], as a 3-d Linear computes it
+    for k in range(1, 5):
+        tail = [f"(= (vec-get sh (- (vec-length sh) {i})) (vec-get s (- (vec-length s) {i})))"
+                for i in range(1, k + 1)]
+        out.append(rewrite(f"view-expand-lead-{k}", "(view (expand x sh) s)", "(expand x s)",
+                           f"(= (ndim x) {k})", f"(>= (vec-length s) {k})", *tail))
     # split/merge reshapes over a concat (head splits and their inverse) come from view
     # rules in the reshape family
     return out

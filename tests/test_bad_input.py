@@ -507,6 +507,13 @@ def test_relation_without_placements_or_layout(tmp_path: Path, seq: Doc, dist: D
     fails(tmp_path, seq, dist, "dist", "$.relations[0]", "needs 'placements' or 'layout'")
 
 
+def test_guessed_must_be_a_bool_on_a_placed_relation(tmp_path: Path, seq: Doc, dist: Doc) -> None:
+    dist["relations"][0]["guessed"] = "yes"
+    fails(tmp_path, seq, dist, "dist", "$.relations[0].guessed", "expected")
+    dist["relations"][0] = {"from": dist["relations"][0]["from"], "layout": "x@0", "guessed": True}
+    fails(tmp_path, seq, dist, "dist", "$.relations[0].guessed", "either 'layout' or")
+
+
 def test_relation_with_placements_and_layout(tmp_path: Path, seq: Doc, dist: Doc) -> None:
     dist["relations"][0]["layout"] = "x@0"
     fails(tmp_path, seq, dist, "dist", "$.relations[0].placements", "either 'layout' or 'input'/'placements'")

@@ -81,9 +81,9 @@ class Case:
         from refine.check import check
 
         report = check(self.seq, self.dist, self.registry, f"{self.name}/seq.json", f"{self.name}/dist.json")
-        # the JSON format cannot mark a placed relation as guessed; the report still says so
-        named = {g.split(":")[0] for g in report.guesses}
-        report.guesses += [g for g in self.guesses if g.split(":")[0] not in named]
+        # the document flags the guesses; capture knows why it made each one
+        why = {g.split(":")[0]: g for g in self.guesses}
+        report.guesses = [why.get(g.split(":")[0], g) for g in report.guesses]
         return report
 
     def write(self, directory: str | Path) -> None:
@@ -237,7 +237,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         desc = ", ".join(pl)
         guesses.append(f"{s}: [{desc}] ({why})")
         if any(p != "Replicate" for p in pl) or local != s:
-            relations.append(rel | {"placements": pl})
+            relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
     return relations, placed, guesses
 

@@ -387,15 +387,22 @@ class Emitter:
         return name
 
 
+_SAME_TENSOR = ("aten::alias", "aten::detach")  # another name for the same view of a storage
+
+
 def check_mutations(traced: Traced, where: str) -> None:
     """Tracing gives a mutated tensor's later readers the in-place op's result, but a reader
-    holding another alias of it (a view taken before) would read a stale value: refuse that."""
+    holding another alias of it (a view taken before) would read a stale value. A reader
+    holding the very tensor that was written, under another name (`alias`/`detach` of it,
+    e.g. `p.grad.data`), reads exactly the in-place op's result: it is rewired to read that.
+    Any other stale reader (another slice or view of the storage) is refused."""
     nodes = list(traced.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     storage: dict[fx.Node, fx.Node] = {}
-    mutations: list[tuple[fx.Node, fx.Node]] = []
+    same: dict[fx.Node, fx.Node] = {}  # the tensor a node is another name of (alias, detach, in-place)
+    mutations: list[tuple[fx.Node, fx.Node, bool]] = []  # (op, mutated tensor, op returns its new value)
     for n in nodes:
-        storage[n] = n
+        storage[n], same[n] = n, n
         if n.op != "call_function":
             continue
         if n.target is operator.getitem:
@@ -407,13 +414,14 @@ def check_mutations(traced: Traced, where: str) -> None:
         a = aten.bind(n.target, n.args, n.kwargs)
         if schema.name in aten.LEGACY_COLLECTIVES:
             written = a["tensors"] if a.get("tensors") is not None else [a["output_tensor"]]
-            mutations += [(n, w) for w in written if isinstance(w, fx.Node)]
+            mutations += [(n, w, False) for w in written if isinstance(w, fx.Node)]
             if isinstance(written[0], fx.Node):
                 storage[n] = storage[written[0]]
             continue
+        inplace = _is_inplace(n.target)
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), fx.Node):
-                mutations.append((n, a[arg.name]))
+                mutations.append((n, a[arg.name], inplace and arg is schema.arguments[0]))
         ret = schema.returns[0].alias_info if schema.returns else None
         if ret is not None:  # a view, or an in-place op: the result shares its argument's storage
             for arg in schema.arguments:
@@ -421,12 +429,17 @@ def check_mutations(traced: Traced, where: str) -> None:
                 if arg.alias_info is not None and isinstance(v, fx.Node) and \
                         set(arg.alias_info.before_set) & set(ret.before_set):
                     storage[n] = storage[v]
+                    if inplace or schema.name in _SAME_TENSOR:
+                        same[n] = same[v]
                     break
-    for m, x in mutations:
+    for m, x, returns_value in mutations:
         p = pos[m]
         for u in nodes[p + 1:]:
             for inp in u.all_input_nodes:
                 if pos[inp] < p and storage.get(inp) is storage[x]:
+                    if returns_value and same[inp] is same[x]:
+                        u.replace_input_with(inp, m)  # that tensor's value after the write
+                        continue
                     raise CaptureError(
                         f"{where}: in-place {m.target} (FX node {m.name!r}, at {source_of(m)}) changes a tensor that "
                         f"{u.name!r} (at {source_of(u)}) reads afterwards through another alias ({inp.name!r}); "
