@@ -466,6 +466,12 @@ class SeedGen:
         # a sum of three terms beside a sum of two of them
         a, b, c = (self.leaf((2,)) for _ in range(3))
         out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
+        # like terms in a sum: two scales of one tensor (equal factors too), beside another term
+        x = self.leaf((2, 3))
+        half = Term("Scale", (x,), (Fraction(1, 2),))
+        out += [Term("Sum", (half, Term("Scale", (x,), (Fraction(3, 2),)), self.leaf((2, 3)))),
+                Term("Sum", (half, half)),
+                Term("expand", (Term("Scale", (self.leaf((1, 3)),), (Fraction(1, 2),)),), ((2, 3),))]
         return out
 
 

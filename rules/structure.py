@@ -202,6 +202,11 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
+        # like terms of a sum collect: x/2 + x/2 is x (a replicated bias split into a partial
+        # sum on every rank, say, then all-reduced)
+        rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                 "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
         # a multiple of x is a multiple of any other non-zero multiple of x: so a relation
         # Scale(x, a) is found as a multiple of the rank tensor holding Scale(x, b) (a
         # gradient averaged where the sequential one is summed, a loss scaled twice)
@@ -252,6 +257,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ExpandTo\" sh) ms)))"]),
         rewrite("expand-to", "(ExpandTo sh x)", "(expand x sh)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
+        rewrite("expand-scale", "(expand (Scale x r) s)", "(Scale (expand x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
         rewrite("transpose-cat-i", "(transpose (cat a b d) d j)",

@@ -34,6 +34,9 @@ class Annotation:
     placements: tuple[tuple[str | None, str], ...] = ()  # (mesh axis, or None for the only one; placement)
     layout: str | None = None  # a relation expression over rank inputs, `name@rank`
     seq: str | None = None  # the sequential input, when named differently
+    # the global ranks along each axis through this rank, when a framework states them (a
+    # DeviceMesh): checked against the Spec's mesh, so axes laid out differently are an error
+    groups: tuple[tuple[str | None, tuple[int, ...]], ...] = ()
 
     def describe(self) -> str:
         if self.layout is not None:
@@ -142,3 +145,28 @@ def placements_on(ann: Annotation, axes: list[str], what: str) -> list[str]:
                                f"(axes: {', '.join(axes)})")
         out[axis] = p
     return [out[a] for a in axes]
+
+
+def check_groups(ann: Annotation, mesh: dict[str, int], rank: int, what: str) -> None:
+    """The groups an annotation states must be the Spec mesh's (ranks row-major over its axes)."""
+    axes, sizes = list(mesh), list(mesh.values())
+    coords, rest = [], rank
+    for n in reversed(sizes):
+        coords.insert(0, rest % n)
+        rest //= n
+    for axis, ranks in ann.groups:
+        a = axis if axis is not None else axes[0] if len(axes) == 1 else None
+        if a not in mesh:
+            raise CaptureError(f"{what} lives on mesh axis {axis!r}, which the Spec's mesh does not have "
+                               f"(axes: {', '.join(axes)})")
+        i = axes.index(a)
+        want = []
+        for k in range(sizes[i]):
+            c = coords[:i] + [k] + coords[i + 1:]
+            flat = 0
+            for x, n in zip(c, sizes, strict=True):
+                flat = flat * n + x
+            want.append(flat)
+        if list(ranks) != want:
+            raise CaptureError(f"{what}: on rank {rank} its mesh axis {a!r} runs over ranks {list(ranks)}, but the "
+                               f"Spec's mesh {mesh} (ranks row-major) puts ranks {want} there; make them agree")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from refine.build import write_case
-from refine.capture.annotate import Annotation, collecting, placements_on
+from refine.capture.annotate import Annotation, check_groups, collecting, placements_on
 from refine.capture.convert import Converted, convert
 from refine.capture.errors import CaptureError
 from refine.capture.trace import Step, Traced, fake_process_group, trace_step
@@ -209,6 +209,9 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         if len(distinct) > 1:
             shown = "; ".join(f"rank {r}: {a.describe() if a else 'none'}" for r, a in sorted(anns.items()))
             raise CaptureError(f"{local!r} is annotated differently on different ranks ({shown})")
+        for r, a in anns.items():
+            if a is not None:
+                check_groups(a, mesh, r, repr(local))
         ann = anns[min(anns)]
         rel: dict[str, Any] = {"from": s}
         if local != s:
@@ -301,7 +304,10 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
                 raise CaptureError(
                     f"the sequential step has a gradient for {p!r} but rank {r} has none for {local!r} (its .grad is "
                     "None after the step: is the parameter used, does the loss reach it?)")
-        if pl is None or any(x.startswith("Partial") for x in pl):
+        derived = _grad_placement(ranks, local, mesh)
+        if derived is not None:  # a DTensor gradient: placed as the program's autograd made it
+            pl = derived
+        elif pl is None or any(x.startswith("Partial") for x in pl):
             notes.append(f"{p}.grad: no expected placement ({p!r} is not placed by Replicate/Shard); it must be "
                          "reconstructible from the rank outputs")
             continue
@@ -315,6 +321,19 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
         if extra:
             notes.append(f"rank {r} has gradients for {extra}, which have no sequential gradient to compare with")
     return out
+
+
+def _grad_placement(ranks: dict[int, _Rank], local: str, mesh: dict[str, int]) -> list[str] | None:
+    """The placement a framework states for `local`'s gradient (a DTensor's), if any."""
+    anns = {r: rk.traced.grad_annotations.get(local) for r, rk in ranks.items()}
+    if all(a is None for a in anns.values()):
+        return None
+    pls = {r: placements_on(a, list(mesh), f"{local}.grad") if a is not None else None for r, a in anns.items()}
+    if len({tuple(p) if p else None for p in pls.values()}) > 1:
+        raise CaptureError(f"{local}.grad is placed differently on different ranks: {pls}")
+    for r, a in anns.items():
+        check_groups(a, mesh, r, f"{local}.grad")  # type: ignore[arg-type]
+    return pls[min(pls)]
 
 
 def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: Registry, notes: list[str]) -> None:

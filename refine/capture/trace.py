@@ -57,6 +57,7 @@ class Traced:
     grads: list[str]  # parameters whose gradient follows the loss in the outputs, in order
     no_grad: list[str]  # parameters that require grad but got none
     annotations: dict[str, Any]  # graph input name -> refine.capture.annotate.Annotation
+    grad_annotations: dict[str, Any] = field(default_factory=dict)  # parameter -> its gradient's (DTensor) placement
 
 
 @contextmanager
@@ -70,6 +71,9 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
                            "its own fake one per rank, so call it outside any distributed setup")
     hook = sys.excepthook  # init_process_group wraps it with a "[rank r]" prefix for good
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    from refine.capture.dtensor import fresh_caches
+
+    fresh_caches()  # DTensor caches plans per (equal-by-value) DeviceMesh: none may cross ranks
     try:
         yield
     finally:
@@ -144,6 +148,7 @@ def _recording_sources() -> Iterator[None]:
 def trace_step(step: Step, where: str) -> Traced:
     """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
     from refine.capture.annotate import annotation_of
+    from refine.capture.dtensor import Locals
 
     if not isinstance(step, Step):
         raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
@@ -160,24 +165,27 @@ def trace_step(step: Step, where: str) -> Traced:
             raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
     grads: list[str] = []
     no_grad: list[str] = []
+    local = Locals(params | buffers | inputs)  # DTensors are traced as local tensors (refine.capture.dtensor)
 
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
-        leaves = {n: v.detach().requires_grad_(params[n].requires_grad) for n, v in zip(params, p_vals, strict=True)}
-        state = leaves | dict(zip(buffers, b_vals, strict=True))
+        leaves = {n: local.rebuild(n, v).detach().requires_grad_(params[n].requires_grad)
+                  for n, v in zip(params, p_vals, strict=True)}
+        state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
         with _reparametrize_module(model, state, tie_weights=True):
-            loss = step.step(model, **dict(zip(inputs, x_vals, strict=True)))
+            loss = step.step(model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
         if not isinstance(loss, torch.Tensor):
             raise CaptureError(f"{where}: the step must return the loss tensor, got {type(loss).__name__}")
-        out = [loss]
+        out = [local.loss(loss)]
         for n, leaf in leaves.items():
             if leaf.grad is not None:
                 grads.append(n)
-                out.append(leaf.grad)
+                out.append(local.grad(n, leaf.grad))
             elif params[n].requires_grad:
                 no_grad.append(n)
         return tuple(out)
 
-    args = ([p.detach() for p in params.values()], [b.detach() for b in buffers.values()], list(inputs.values()))
+    args = ([local.traced(n, p) for n, p in params.items()], [local.traced(n, b) for n, b in buffers.items()],
+            [local.traced(n, x) for n, x in inputs.items()])
     try:
         with _recording_sources():
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
@@ -190,7 +198,8 @@ def trace_step(step: Step, where: str) -> Traced:
     roles = ["parameter"] * len(params) + ["buffer"] * len(buffers) + ["data"] * len(inputs)
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
-    return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations)
+    return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
+                  local.grad_annotations)
 
 
 def _why(e: Exception) -> str:
