@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+from refine.expr import Term
 from refine.ir import Graph
 from refine.opset import Registry
 from refine.prove import Inference
@@ -129,9 +132,35 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
         if not near:
             continue
         at = next((n for n in near if n.op == d.op), near[0])
+        if d.op == "Sum" and not _overcounted(prog, u, d, pieces, inf.relations[at.name]):
+            continue  # the whole terms are counted as often as the sequential sum has them
         if at.name not in out or order.get(u, 0) < order.get(out[at.name], 0):
             out.setdefault(at.name, u)
     return out
+
+
+def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, str], rel: Term) -> bool:
+    """Whether the whole (non-piece) terms rank tensor `u` adds to a piece are counted, over
+    the ranks that add them the same way, more or less often than the sequential relation
+    `rel` has them: a bias added on every rank before the sum is counted once per rank
+    where the sequence has it once; a bias halved on each of two ranks, or a term one rank
+    alone adds (the replicated gradients' squares in a norm), is counted right."""
+    find = prog.same.find
+    want: dict[str, Fraction] = {}
+    for a in rel.args if rel.op == "Sum" else (rel,):
+        t, c = (a.args[0], Fraction(a.attrs[0])) if a.op == "Scale" else (a, Fraction(1))
+        if t.op == "D":
+            want[find(t.attrs[0])] = want.get(find(t.attrs[0]), Fraction(0)) + c
+    for a in d.args:
+        x = find(a.attrs[0]) if a.op == "D" else None
+        if x is None or x in pieces:
+            continue
+        adders = {v.rpartition("@")[2] for y in prog.same.group(x) for v in prog.users.get(y, [])
+                  if (dv := prog.defs.get(v)) is not None and dv.op == d.op
+                  and any(b.op == "D" and find(b.attrs[0]) in pieces for b in dv.args)}
+        if len(adders) != want.get(x, Fraction(0)):
+            return True
+    return False
 
 
 def _breaks_partial(linear: str, is_piece: list[bool]) -> bool:

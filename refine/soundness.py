@@ -466,6 +466,9 @@ class SeedGen:
         # a sum of three terms beside a sum of two of them
         a, b, c = (self.leaf((2,)) for _ in range(3))
         out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
+        # like terms in a sum: one tensor twice; a tensor beside a multiple of it
+        w = self.leaf((2, 3))
+        out += [Term("Sum", (w, w, self.leaf((2, 3)))), Term("Sum", (w, Term("Scale", (w,), (Fraction(-1, 2),))))]
         # like terms in a sum: two scales of one tensor (equal factors too), beside another term
         x = self.leaf((2, 3))
         half = Term("Scale", (x,), (Fraction(1, 2),))

@@ -207,6 +207,13 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
                                  "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
              ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
+        # ... and x + x is 2x, x + r*x is (1 + r)*x (a bias halved on every rank, summed)
+        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)",
+                               "(multiset-contains (multiset-remove ms a) a)"],
+             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
+        rule("sum-plain-and-scale", ["(= e (Sum ms))", "(= b (Scale a r))", "(multiset-contains ms a)",
+                                     "(multiset-contains (multiset-remove ms a) b)"],
+             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
         # a multiple of x is a multiple of any other non-zero multiple of x: so a relation
         # Scale(x, a) is found as a multiple of the rank tensor holding Scale(x, b) (a
         # gradient averaged where the sequential one is summed, a loss scaled twice)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -27,9 +26,6 @@ from refine.cli import main
 from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
-SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
-                          reason="minutes with today's prover (unclean relations grow through the backward); "
-                                 "set REFINE_SLOW_TESTS=1")
 
 
 def _module(name: str) -> ModuleType:
@@ -160,7 +156,6 @@ def test_grad_placements_partial_doubles_every_gradient() -> None:
     assert w2.relation == "fc2.weight.grad@0" and "fc2.weight.grad@0 + fc2.weight.grad@1" in w2.detail
 
 
-@SLOW
 @pytest.mark.parametrize("bug,sp,culprit", [
     ("partial_output_loss", False, "loss = F.mse_loss(out, target)"),
     ("local_loss", True, "loss = F.mse_loss(out, target)"),
