@@ -261,6 +261,19 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(>= d (- (vec-length sh) (ndim x)))",
                 "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
+        # an expand to the operand's own shape (what a slice of a broadcast over heads
+        # leaves on a rank holding one head) is the operand
+        rule("expand-to-own-shape", ["(= e (expand x sh))", "(= sh (shape x))"], ["(union e x)"]),
+        # a concat along a dim the expand keeps (not broadcast): expand each piece
+        rule("expand-over-cat", ["(= c (cat a b d))", "(= e (expand c sh))", "(= off (- (vec-length sh) (ndim c)))",
+                                 "(= (vec-get sh (+ d off)) (size c d))"],
+             ["(union e (cat (expand a (vec-set sh (+ d off) (size a d))) "
+              "(expand b (vec-set sh (+ d off) (size b d))) (+ d off)))"]),
+        # a 2x2 block tensor split the same way along d1 on both sides of a cat along d2
+        # (per-head halves concatenated, heads split across ranks): swap the nesting
+        rule("cat-interchange", ["(= e (cat (cat a b d1) (cat c f d1) d2))", "(!= d1 d2)",
+                                 "(= (size a d1) (size c d1))"],
+             ["(union e (cat (cat a c d2) (cat b f d2) d1))"]),
     ]
     # split/merge reshapes over a concat (head splits and their inverse) come from view
     # rules in the reshape family

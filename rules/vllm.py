@@ -217,16 +217,24 @@ def _attn(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
     qh, kh, vh = heads_first(q, nh), heads_first(k, nkv), heads_first(v, nkv)
     s = b.emit("matmul", [qh, b.transpose(kh, 1, 2)], {})  # [nh, t, t]
     s = b.emit("mul_t", [s, b.const(float(attrs["scale"]), (nh, t, t))], {})
-    ar = b.emit("arange_c", [], {"start": 0, "end": t, "step": 1})
-    rows = b.broadcast(b.view(ar, (t, 1)), (t, t), "int64")
-    cols = b.broadcast(b.view(ar, (1, t)), (t, t), "int64")
-    future = b.broadcast(b.emit("gt_t", [cols, rows], {}), (nh, t, t), "bool")
+    future = b.broadcast(b.emit("causal_mask_c", [], {"n": t}), (nh, t, t), "bool")
     masked = b.emit("masked_fill_t", [s, future], {"value": -math.inf}, TensorType((nh, t, t), out.dtype))
     p = b.emit("softmax", [masked], {"dim": 2})
     return b.transpose(b.emit("matmul", [p, vh], {}), 0, 1)
 
 
+def _mask_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return TensorType((attrs["n"], attrs["n"]), "bool")
+
+
 OPS = [
+    # The future positions of causal attention: a clean constant, like `full` and `arange_c`
+    # (the prover relates a constant by itself; a mask computed by comparing two ranges
+    # would be a non-clean op over constants)
+    Op("causal_mask_c", 0, _mask_shape, (("n", "size"),), core=True, clean=True, kind="clean",
+       ref=lambda n: torch.ones(n, n, dtype=torch.bool).triu(1),
+       egglog_shape="(rule ((= e (causal_mask_c n))) ((set (shape e) (vec-of n n))))",
+       doc="[n, n] bool, True where the column (key) is after the row (query)"),
     # corpus: input [32768, 1536] bf16, weight [1536], eps 1e-6
     Op("vllm_rms_norm", 2, _rms_shape, (("eps", "float"),), ref=_rms_ref, decompose=_rms,
        doc="_C.rms_norm: args input, weight"),

@@ -12,7 +12,6 @@ transformers-neuronx, vLLM custom ops, torchgraph's logging hook) as refine ops:
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 from collections.abc import Callable
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 from refine.build import GraphBuilder, dist_doc, seq_doc
-from refine.capture import aten
 from refine.check import check
 from refine.evaluate import audit, close, eval_graph
 from refine.format import load_dist, load_seq
@@ -154,11 +152,11 @@ DOTS = [  # lhs, rhs, lc, rc, lb, rb (the corpus's forms, and more)
 ]
 
 
-@pytest.mark.parametrize("l, r, lc, rc, lb, rb", DOTS)
-def test_hlo_dot(tmp_path: Path, l: list[int], r: list[int], lc: list[int], rc: list[int], lb: list[int],
+@pytest.mark.parametrize("lhs, rhs, lc, rc, lb, rb", DOTS)
+def test_hlo_dot(tmp_path: Path, lhs: list[int], rhs: list[int], lc: list[int], rc: list[int], lb: list[int],
                  rb: list[int]) -> None:
     def build(g: GraphBuilder) -> None:
-        a, b = g.input("a", l), g.input("b", r)
+        a, b = g.input("a", lhs), g.input("b", rhs)
         g.output("y", g.op("hlo_dot", a, b, lhs_contracting_dims=lc, rhs_contracting_dims=rc, lhs_batch_dims=lb,
                            rhs_batch_dims=rb))
 
@@ -260,3 +258,200 @@ def test_tg_log_tensor_is_the_identity(tmp_path: Path) -> None:
     seq = _seq(tmp_path, build)
     core, rename = lower(seq, REG)
     assert not core.nodes and rename[seq.outputs[0].ref] == "x"
+
+
+# ---------------------------------------------------------------------------------------
+# 3: the corpus's sharded uses, as small pairs that refine (and, missing a collective, not)
+
+Case = tuple[GraphBuilder, dict[int, GraphBuilder], list[dict[str, Any]], list[dict[str, Any]]]
+
+
+def _check(tmp_path: Path, case: Case, ints: int | None = None) -> Any:
+    s, ranks, rel, exp = case
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "seq.json").write_text(json.dumps(seq_doc(s)))
+    (tmp_path / "dist.json").write_text(json.dumps(dist_doc({"tp": len(ranks)}, ranks, rel, exp)))
+    seq = load_seq(tmp_path / "seq.json", REG)
+    dist = load_dist(tmp_path / "dist.json", REG, seq)
+    report = check(seq, dist, REG)
+    bad = audit(seq, dist, REG, seed=1, int_bound=ints)
+    assert not bad, [f"{m.tensor}: {m.relation} ({m.detail})" for m in bad]
+    return report
+
+
+def _pair(program: Callable[[GraphBuilder, int | None], None], rel: list[dict[str, Any]],
+          exp: list[dict[str, Any]], n: int = 2) -> Case:
+    s = GraphBuilder()
+    program(s, None)
+    ranks = {}
+    for r in range(n):
+        ranks[r] = GraphBuilder()
+        program(ranks[r], r)
+    return s, ranks, rel, exp
+
+
+def _failing(report: Any) -> set[str]:
+    return {o.name for o in report.outputs if not o.ok}
+
+
+def test_hlo_rms_norm_hidden_first_with_tokens_sharded(tmp_path: Path) -> None:
+    """aws_llama's AwsNeuronRmsNorm normalises dim 0 of [hidden, tokens, batch]: with the
+    tokens split across ranks and the weight replicated, each rank's norm is its piece."""
+    H, T, B = 6, 4, 2
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        x, w = g.input("x", [H, T if r is None else T // 2, B]), g.input("w", [H], role="parameter")
+        g.output("y", g.op("hlo_rms_norm", x, w, eps=1e-5, dim=0))
+
+    report = _check(tmp_path, _pair(program, [{"from": "x", "placements": ["Shard(1)"]},
+                                              {"from": "w", "placements": ["Replicate"]}],
+                                    [{"output": "y", "placements": ["Shard(1)"]}]))
+    assert report.refines, str(report)
+
+
+def test_vllm_rms_norms_with_rows_sharded(tmp_path: Path) -> None:
+    T, H = 4, 6
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        t = T if r is None else T // 2
+        x, res, w = g.input("x", [t, H]), g.input("res", [t, H]), g.input("w", [H], role="parameter")
+        g.output("y", g.op("vllm_fused_add_rms_norm", x, res, w, eps=1e-6))
+        g.output("res_out", g.op("vllm_fused_add_rms_norm_residual", x, res))
+        g.output("z", g.op("vllm_rms_norm", x, w, eps=1e-6))
+
+    rel = [{"from": "x", "placements": ["Shard(0)"]}, {"from": "res", "placements": ["Shard(0)"]},
+           {"from": "w", "placements": ["Replicate"]}]
+    exp = [{"output": o, "placements": ["Shard(0)"]} for o in ("y", "res_out", "z")]
+    report = _check(tmp_path, _pair(program, rel, exp))
+    assert report.refines, str(report)
+
+
+def _dot_row_parallel(bug: bool) -> Case:
+    """aws_llama's output projection: hlo.dot of [tokens, F/n] and [H, F/n] contracting the
+    sharded F (dims 1 and 1), then the all-reduce: the sum of the partial products."""
+    T, F, H = 3, 4, 5
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        f = F if r is None else F // 2
+        a, w = g.input("a", [T, f]), g.input("w", [H, f], role="parameter")
+        y = g.op("hlo_dot", a, w, lhs_contracting_dims=[1], rhs_contracting_dims=[1], lhs_batch_dims=[],
+                 rhs_batch_dims=[])
+        if r is not None and not bug:
+            y = g.op("all_reduce", y, reduce_op="sum", group=[0, 1])
+        g.output("y", y)
+
+    return _pair(program, [{"from": "a", "placements": ["Shard(1)"]}, {"from": "w", "placements": ["Shard(1)"]}],
+                 [{"output": "y", "placements": ["Replicate"]}])
+
+
+def test_hlo_dot_with_the_contraction_dim_sharded(tmp_path: Path) -> None:
+    good = _check(tmp_path / "good", _dot_row_parallel(False))
+    assert good.refines, str(good)
+    bug = _check(tmp_path / "bug", _dot_row_parallel(True))
+    assert _failing(bug) == {"y"}, str(bug)
+
+
+def test_hlo_dot_column_parallel_hidden_first(tmp_path: Path) -> None:
+    """aws_llama's MLP up projection: [H, tokens] x [H, F/n] contracting dim 0 of both
+    (hidden first, replicated): each rank holds its columns of the [tokens, F] result."""
+    H, T, F = 4, 3, 6
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        x, w = g.input("x", [H, T]), g.input("w", [H, F if r is None else F // 2], role="parameter")
+        y = g.op("hlo_dot", x, w, lhs_contracting_dims=[0], rhs_contracting_dims=[0], lhs_batch_dims=[],
+                 rhs_batch_dims=[])
+        g.output("y", g.op("mul", g.op("hlo_logistic", y), y))
+
+    report = _check(tmp_path, _pair(program, [{"from": "x", "placements": ["Replicate"]},
+                                              {"from": "w", "placements": ["Shard(1)"]}],
+                                    [{"output": "y", "placements": ["Shard(1)"]}]))
+    assert report.refines, str(report)
+
+
+def _apex_sp(bug: bool) -> Case:
+    """Megatron sequence parallelism (the corpus's bug_missing_layernorm_allreduce): the
+    apex layer norm runs on token shards [S/n, B, H]; its weight/bias grads sum over the
+    tokens, so they need an all-reduce over the group; the input grad stays sharded."""
+    S, B, H = 4, 2, 3
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        s = S if r is None else S // 2
+        x, dy = g.input("x", [s, B, H]), g.input("dy", [s, B, H])
+        w, b = g.input("w", [H], role="parameter"), g.input("b", [H], role="parameter")
+        g.output("y", g.op("apex_layer_norm", x, w, b, normalized_shape=[H], eps=1e-5))
+        mean = g.op("apex_layer_norm_mean", x, normalized_shape=[H], eps=1e-5)
+        invvar = g.op("apex_layer_norm_invvar", x, normalized_shape=[H], eps=1e-5)
+        dx = g.op("apex_layer_norm_grad_input", dy, mean, invvar, x, w, normalized_shape=[H])
+        dw = g.op("apex_layer_norm_grad_weight", dy, mean, invvar, x, normalized_shape=[H])
+        db = g.op("apex_layer_norm_grad_bias", dy, normalized_shape=[H])
+        if r is not None:
+            db = g.op("all_reduce", db, reduce_op="sum", group=[0, 1])
+            if not bug:
+                dw = g.op("all_reduce", dw, reduce_op="sum", group=[0, 1])
+        g.output("dx", dx, role="gradient", of="x")
+        g.output("dw", dw, role="gradient", of="w")
+        g.output("db", db, role="gradient", of="b")
+
+    rel = [{"from": "x", "placements": ["Shard(0)"]}, {"from": "dy", "placements": ["Shard(0)"]},
+           {"from": "w", "placements": ["Replicate"]}, {"from": "b", "placements": ["Replicate"]}]
+    exp = [{"output": "y", "placements": ["Shard(0)"]}, {"output": "dx", "placements": ["Shard(0)"]},
+           {"output": "dw", "placements": ["Replicate"]}, {"output": "db", "placements": ["Replicate"]}]
+    return _pair(program, rel, exp)
+
+
+def test_apex_layer_norm_under_sequence_parallelism(tmp_path: Path) -> None:
+    good = _check(tmp_path / "good", _apex_sp(False))
+    assert good.refines, str(good)
+    bug = _check(tmp_path / "bug", _apex_sp(True))
+    assert _failing(bug) == {"dw"}, str(bug)
+
+
+def test_vllm_silu_and_mul_on_fused_gate_up_shards(tmp_path: Path) -> None:
+    """qwen2's MLP: each rank's fused gate/up projection holds [gate_r | up_r]; silu_and_mul
+    of it is rank r's columns of the sequential silu(gate) * up."""
+    T, F = 3, 8  # F: gate and up, 4 each; 2 per rank
+    h = F // 4
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        x = g.input("gu", [T, F if r is None else F // 2])
+        g.output("y", g.op("vllm_silu_and_mul", x))
+
+    parts = [f"slice(gu@{r}, 1, {k * h}, {(k + 1) * h})" for k in (0, 1) for r in (0, 1)]
+    layout = f"cat({parts[0]}, {parts[1]}, {parts[2]}, {parts[3]}, dim=1)"
+    report = _check(tmp_path, _pair(program, [{"from": "gu", "layout": layout}],
+                                    [{"output": "y", "placements": ["Shard(1)"]}]))
+    assert report.refines, str(report)
+
+
+def test_vllm_rotary_with_heads_sharded(tmp_path: Path) -> None:
+    """qwen2's rotary embedding: query/key heads split across ranks (one kv head per rank,
+    as in the corpus's TP2), positions and cache replicated: each rank rotates its heads."""
+    T, NH, NKV, D, P = 4, 4, 2, 4, 6
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        n = 1 if r is None else 2
+        pos, cache = g.input("pos", [T], "int64"), g.input("cache", [P, D])
+        q, k = g.input("q", [T, NH // n * D]), g.input("k", [T, NKV // n * D])
+        g.output("qr", g.op("vllm_rotary_embedding", pos, q, cache, head_size=D, is_neox=True))
+        g.output("kr", g.op("vllm_rotary_embedding", pos, k, cache, head_size=D, is_neox=False))
+
+    rel = [{"from": "pos", "placements": ["Replicate"]}, {"from": "cache", "placements": ["Replicate"]},
+           {"from": "q", "placements": ["Shard(1)"]}, {"from": "k", "placements": ["Shard(1)"]}]
+    exp = [{"output": "qr", "placements": ["Shard(1)"]}, {"output": "kr", "placements": ["Shard(1)"]}]
+    report = _check(tmp_path, _pair(program, rel, exp), ints=P)
+    assert report.refines, str(report)
+
+
+def test_vllm_attention_with_heads_sharded(tmp_path: Path) -> None:
+    """qwen2's attention with query and kv heads split across ranks (grouped: 2 query heads
+    per kv head): each rank's causal attention is its heads of the sequential one."""
+    T, NH, NKV, D = 4, 4, 2, 3
+
+    def program(g: GraphBuilder, r: int | None) -> None:
+        n = 1 if r is None else 2
+        q, k, v = g.input("q", [T, NH // n, D]), g.input("k", [T, NKV // n, D]), g.input("v", [T, NKV // n, D])
+        g.output("y", g.op("vllm_attention", q, k, v, scale=D ** -0.5))
+
+    rel = [{"from": x, "placements": ["Shard(1)"]} for x in ("q", "k", "v")]
+    report = _check(tmp_path, _pair(program, rel, [{"output": "y", "placements": ["Shard(1)"]}]))
+    assert report.refines, str(report)
