@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.capture import aten
 from refine.check import check
@@ -622,3 +623,41 @@ def test_every_corpus_call_target_is_covered() -> None:
         print(f"  {t} ({calls[t]} calls): {why}")
     assert not missing, f"corpus call targets refine does not cover: {missing}"
     assert not set(ALLOWED_GAPS) - set(gaps), "an allow-list entry the corpus no longer needs"
+
+
+def test_symbolic_sizes(tmp_path: Path) -> None:
+    """The shape rules and decompositions take symbolic sizes, and a sharded contraction of
+    hlo_dot and the sequence-parallel apex layer norm refine for every token count T."""
+    T = dims.sym("T", multiple=2)
+
+    def program_dot(g: GraphBuilder, r: int | None) -> None:
+        f = 4 if r is None else 2
+        a, w = g.input("a", [T, f]), g.input("w", [3, f], role="parameter")
+        y = g.op("hlo_dot", a, w, lhs_contracting_dims=[1], rhs_contracting_dims=[1], lhs_batch_dims=[],
+                 rhs_batch_dims=[])
+        g.output("y", y if r is None else g.op("all_reduce", y, reduce_op="sum", group=[0, 1]))
+
+    def program_ln(g: GraphBuilder, r: int | None) -> None:
+        t = T if r is None else T // 2
+        x, dy, w = g.input("x", [t, 3]), g.input("dy", [t, 3]), g.input("w", [3], role="parameter")
+        g.output("y", g.op("vllm_rms_norm", g.op("apex_layer_norm", x, w, normalized_shape=[3], eps=1e-5), w,
+                           eps=1e-6))
+        mean = g.op("apex_layer_norm_mean", x, normalized_shape=[3], eps=1e-5)
+        invvar = g.op("apex_layer_norm_invvar", x, normalized_shape=[3], eps=1e-5)
+        dw = g.op("apex_layer_norm_grad_weight", dy, mean, invvar, x, normalized_shape=[3])
+        g.output("dw", dw if r is None else g.op("all_reduce", dw, reduce_op="sum", group=[0, 1]))
+
+    cases = [(program_dot, [{"from": "a", "placements": ["Shard(1)"]}, {"from": "w", "placements": ["Shard(1)"]}],
+              [{"output": "y", "placements": ["Replicate"]}]),
+             (program_ln, [{"from": "x", "placements": ["Shard(0)"]}, {"from": "dy", "placements": ["Shard(0)"]},
+                           {"from": "w", "placements": ["Replicate"]}],
+              [{"output": "y", "placements": ["Shard(0)"]}, {"output": "dw", "placements": ["Replicate"]}])]
+    for i, (program, rel, exp) in enumerate(cases):
+        s, ranks, rel, exp = _pair(program, rel, exp)
+        d = tmp_path / str(i)
+        d.mkdir()
+        (d / "seq.json").write_text(json.dumps(seq_doc(s, [T])))
+        (d / "dist.json").write_text(json.dumps(dist_doc({"tp": 2}, ranks, rel, exp)))
+        seq = load_seq(d / "seq.json", REG)
+        report = check(seq, load_dist(d / "dist.json", REG, seq), REG)
+        assert report.refines and report.symbols, str(report)
