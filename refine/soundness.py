@@ -362,6 +362,15 @@ class SeedGen:
             s = r.randint(0, 4)
             out.append(Term("slice", (c3,), (0, s, r.randint(s + 1, 6))))
             out.append(Term("cat", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)), self.leaf((3, 2))), (0,)))
+            # concats under an expand: along a kept dim (new leading dims, size-1 dims broadcast)
+            kept = Term("cat", (self.leaf((1, 1, 3)), self.leaf((2, 1, 3))), (0,))
+            out += [Term("expand", (kept,), ((2, 3, 4, 3),)), Term("expand", (kept,), ((3, 2, 3),))]
+            # 2x2 blocks: concats along dim 0 under a concat along dim 1, split at the same
+            # row on both sides, and at different rows (no interchange there)
+            for k in (1, 2):
+                left = Term("cat", (self.leaf((1, 2)), self.leaf((2, 2))), (0,))
+                right = Term("cat", (self.leaf((k, 3)), self.leaf((3 - k, 3))), (0,))
+                out.append(Term("cat", (left, right), (1,)))
             # a concat under a transpose of two other dims; a slice of broadcast dims
             a3, b3 = self.leaf((2, 1, 3)), self.leaf((2, 2, 3))
             for ij in ((0, 2), (0, 1), (1, 2)):  # other dims; the concat dim second; first

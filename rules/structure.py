@@ -301,6 +301,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (cat (expand a (vec-set sh (+ d off) (size a d))) "
               "(expand b (vec-set sh (+ d off) (size b d))) (+ d off)))"]),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
+        # an expand to the operand's own shape (what a slice of a broadcast over heads
+        # leaves on a rank holding one head) is the operand
+        rule("expand-to-own-shape", ["(= e (expand x sh))", "(= sh (shape x))"], ["(union e x)"]),
+        # a 2x2 block tensor split the same way along d1 on both sides of a cat along d2
+        # (per-head halves concatenated, heads split across ranks): swap the nesting
+        rule("cat-interchange", ["(= e (cat (cat a b d1) (cat c f d1) d2))", "(!= d1 d2)",
+                                 "(= (size a d1) (size c d1))"],
+             ["(union e (cat (cat a c d2) (cat b f d2) d1))"]),
     ]
     # a view that reshapes only the broadcast dims in front of x (x's own dims, the last k,
     # stay as they are) is the expand to the new shape: a bias broadcast over [s*b, h]

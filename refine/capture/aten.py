@@ -160,6 +160,14 @@ def _index_put(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("index_put", args, {"accumulate": bool(a.get("accumulate", False))})
 
 
+def _index(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """index(self, [idx]): one index tensor over dim 0 is refine's index_rows (x[idx])."""
+    idx = a["indices"]
+    if len(idx) != 1 or idx[0] is None:
+        raise em.fail(f"index with indices {idx}: refine maps one index tensor, over dim 0")
+    return em.emit("index_rows", [em.value(a["self"]), em.value(idx[0])], {})
+
+
 def _dim(d: int, ndim: int) -> int:
     return d % max(ndim, 1)
 
@@ -311,6 +319,7 @@ SPECIAL: dict[str, Handler] = {
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
     "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
+    "index": _index,
 }
 SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
 MULTI: dict[str, Handler] = {
