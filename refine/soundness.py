@@ -184,6 +184,8 @@ class SeedGen:
         x = self.dims()
         unary_pos = {"log_t", "sqrt_t", "rsqrt_t", "reciprocal_t"}
         if op.kind == "unary":
+            if name == "cast_float_t":  # bool masks and small integers, as the casts it stands for
+                return [(x, r.choice(["b", "i"]), 7)], ()
             if name == "Scale":
                 return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
             kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"

@@ -49,9 +49,11 @@ ATTR_ALIASES: dict[str, dict[str, str]] = {
 IGNORED = {"memory_format", "layout", "device", "pin_memory", "non_blocking", "implicit", "half_to_float"}
 
 # ops whose output is their first input's value. A cast within one dtype class (float to
-# float, int to int) is one (refine reasons about real-valued semantics); others are refused.
-IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "resolve_conj",
+# float, int to int) is one (refine reasons about real-valued semantics); a cast from bool or
+# int to float becomes refine's `cast` (rules/cast.py); others are refused.
+IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "to", "resolve_conj",
             "resolve_neg"}
+PRIM_IDENTITY = {"prims::convert_element_type"}  # a cast, as torch._refs decompositions leave it
 WAITS = {"_c10d_functional::wait_tensor"}  # waiting on a functional collective: its value
 
 # collectives, by qualified name. Functional ones return the result; legacy c10d ones
@@ -278,12 +280,60 @@ def _transpose(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("transpose", [x], {"dim0": i, "dim1": j})
 
 
+def _constant_pad_nd(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """constant_pad_nd(x, pad, value): per dim (pairs from the last dim) a slice for negative
+    pads and a concat with `full` constants for positive ones (label shifting pads with -100)."""
+    x = em.value(a["self"])
+    pad, value = list(a["pad"]), float(a.get("value") or 0.0)
+    for i in range(len(pad) // 2):
+        d = len(em.type(x).shape) - 1 - i
+        before, after = int(pad[2 * i]), int(pad[2 * i + 1])
+        shape = list(em.type(x).shape)
+        if before < 0 or after < 0:
+            x = em.emit("slice", [x], {"dim": d, "start": max(0, -before), "end": shape[d] - max(0, -after)},
+                        final=False, suffix=f"crop{d}")
+            before, after = max(0, before), max(0, after)
+        parts = []
+        for n, what in ((before, "before"), (after, "after")):
+            shape = list(em.type(x).shape)
+            shape[d] = n
+            parts.append(em.emit("full", [], {"value": value, "shape": shape}, final=False, suffix=f"pad{d}_{what}",
+                                 dtype=em.type(x).dtype) if n else None)
+        pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
+        if len(pieces) > 1:
+            x = em.emit("concat", pieces, {"dim": d}, final=False, suffix=f"pad{d}")
+    return x
+
+
+def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """slice_scatter(x, src, dim, start, end): x with that slice replaced by src (the backward
+    of a slice), as a concat of x's pieces around src."""
+    x, src = em.value(a["self"]), em.value(a["src"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    n = shape[d]
+    start = 0 if a["start"] is None else a["start"]
+    end = n if a["end"] is None else a["end"]
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    if (a.get("step") or 1) != 1:
+        raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
+    pieces = []
+    if start > 0:
+        pieces.append(em.emit("slice", [x], {"dim": d, "start": 0, "end": start}, final=False, suffix="head"))
+    pieces.append(src)  # type: ignore[arg-type]
+    if end < n:
+        pieces.append(em.emit("slice", [x], {"dim": d, "start": end, "end": n}, final=False, suffix="tail"))
+    return pieces[0] if len(pieces) == 1 else em.emit("concat", pieces, {"dim": d})
+
+
 # base name -> handler; MULTI handlers take the output index
 SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
-    "slice": _slice, "select": _select, "cat": _cat, "transpose": _transpose,
+    "slice": _slice, "select": _select, "cat": _cat, "transpose": _transpose, "constant_pad_nd": _constant_pad_nd,
+    "slice_scatter": _slice_scatter,
 }
 SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
 MULTI: dict[str, Handler] = {
