@@ -254,6 +254,12 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                 "(expand (slice x (- d (- (vec-length sh) (ndim x))) s e) (vec-set sh d (d- e s)))",
                 "(>= d (- (vec-length sh) (ndim x)))",
                 "(d!= (vec-get (shape x) (- d (- (vec-length sh) (ndim x)))) (dim 1))"),
+        rewrite("expand-identity", "(expand x s)", "x", "(= s (shape x))"),
+        # a concat along a kept (not broadcast) dim: each piece expands on its own
+        rule("expand-over-cat",
+             ["(= e (expand c sh))", "(= c (cat a b d))", "(= o (+ d (- (vec-length sh) (ndim c))))",
+              "(= (vec-get sh o) (size c d))"],
+             ["(union e (cat (expand a (vec-set sh o (size a d))) (expand b (vec-set sh o (size b d))) o))"]),
         rewrite("slice-full-const", "(slice (full v sh) d s e)", "(full v (vec-set sh d (d- e s)))"),
     ]
     # split/merge reshapes over a concat (head splits and their inverse) come from view
