@@ -103,6 +103,29 @@ class _LocalParams:
         self.module.forward = local_params_forward  # type: ignore[method-assign]
 
 
+def fresh_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribution caches.
+
+    Why: capture traces the ranks one after another in one process. A DeviceMesh compares
+    equal to another rank's mesh of the same shape (equality ignores which rank holds it),
+    so a cached propagation made while tracing rank 0 hands rank 1 output specs carrying
+    rank 0's mesh object, whose coordinate is 0: rank 1 then takes rank 0's shard when
+    DTensor splits a replicated tensor (seen in the backward of lm_head's gathered logits).
+    Each rank must start with empty caches."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch fast path's own cache
+        clear_native()
+
+
 def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = None, axis: str | None = None,
                     copy_model: bool = True) -> nn.Module:
     """`model` (a transformers PreTrainedModel) parallelized by transformers' own
@@ -112,6 +135,7 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = N
     from torch.distributed.tensor import DTensor
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
+    fresh_dtensor_caches()
     m = copy.deepcopy(model) if copy_model else model
     if plan is not None:
         m.tp_plan = dict(plan)  # type: ignore[assignment]
