@@ -318,12 +318,21 @@ def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     end = max(start, min(n, end + n if end < 0 else end))
     if (a.get("step") or 1) != 1:
         raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
+
+    def piece(lo: int, hi: int, what: str) -> str:
+        if isinstance(x, str) and x in em.fills:  # a slice of a constant is a constant (zeros, mostly)
+            shape = list(em.type(x).shape)
+            shape[d] = hi - lo
+            return em.emit("full", [], {"value": em.fills[x], "shape": shape}, final=False, suffix=what,
+                           dtype=em.type(x).dtype)
+        return em.emit("slice", [x], {"dim": d, "start": lo, "end": hi}, final=False, suffix=what)
+
     pieces = []
     if start > 0:
-        pieces.append(em.emit("slice", [x], {"dim": d, "start": 0, "end": start}, final=False, suffix="head"))
+        pieces.append(piece(0, start, "head"))
     pieces.append(src)  # type: ignore[arg-type]
     if end < n:
-        pieces.append(em.emit("slice", [x], {"dim": d, "start": end, "end": n}, final=False, suffix="tail"))
+        pieces.append(piece(end, n, "tail"))
     return pieces[0] if len(pieces) == 1 else em.emit("concat", pieces, {"dim": d})
 
 

@@ -20,9 +20,9 @@ parameter wrapper per planned module (`_LocalParams`), nothing else.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,8 +112,7 @@ def fresh_dtensor_caches() -> None:
     rank 0's mesh object, whose coordinate is 0: rank 1 then takes rank 0's shard when
     DTensor splits a replicated tensor (seen in the backward of lm_head's gathered logits).
     Each rank must start with empty caches."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     prop = DTensor._op_dispatcher.sharding_propagator
