@@ -110,14 +110,12 @@ def test_llama_whole_step_refines(llama: tuple[capture.Case, float]) -> None:
 def test_o_proj_partial_twin_does_not_refine(twin: capture.Case) -> None:
     report = twin.check()
     assert not report.refines
-    assert report.culprit is not None
-    # the residual add that meets the un-reduced attention output
-    assert report.culprit.source == modeling_line_n("hidden_states = residual + hidden_states", 0), report
+    c = report.culprit
+    assert c is not None
+    # The residual add itself relates cleanly (residual + the ranks' partial attention outputs,
+    # a Sum no rank computes); the first node that cannot is the next RMSNorm's square, whose
+    # input relation shows the missing sum.
+    assert (c.op, c.source) == ("pow", modeling_line("variance = hidden_states.pow(2).mean(-1, keepdim=True)")), c
+    ((_, rel),) = c.inputs[:1]
+    assert "embedding@0 + " in rel and rel.count("@0") >= 2 and "@1" in rel, rel
 
-
-def modeling_line_n(snippet: str, k: int) -> str:
-    import transformers.models.llama.modeling_llama as m
-
-    lines = Path(m.__file__).read_text().splitlines()
-    found = [i for i, text in enumerate(lines, 1) if snippet in text]
-    return f"modeling_llama.py:{found[k]}"
