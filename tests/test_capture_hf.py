@@ -74,7 +74,13 @@ def test_capture_follows_transformers_plan(llama: tuple[capture.Case, float]) ->
     assert rel["model.layers.0.mlp.gate_proj.weight"] == rel["model.layers.0.mlp.up_proj.weight"] == ["Shard(0)"]
     assert rel["model.layers.0.mlp.down_proj.weight"] == ["Shard(1)"]
     assert rel["lm_head.weight"] == ["Shard(0)"]
-    assert not [g for g in case.guesses if "proj" in g or "lm_head" in g]
+    # parameters and buffers outside the plan are replicated: annotated too, written out; only
+    # the step's inputs are matched by name (and guessed replicated)
+    for p in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+              "model.rotary_emb.inv_freq"):
+        assert rel[p] == ["Replicate"], p
+    assert not {"input_ids", "labels", "attention_mask", "position_ids"} & set(rel)
+    assert {g.split(":")[0] for g in case.guesses} == {"input_ids", "labels", "attention_mask", "position_ids"}
     assert {o["name"] for o in case.seq_doc["graph"]["outputs"]} == {"loss"} | {f"{p}.grad" for p in PARAMS}
     ops = {n["op"] for n in case.seq_doc["graph"]["nodes"]}
     assert {"cast", "_log_softmax", "embedding", "rsqrt", "sigmoid", "cos", "sin"} <= ops
@@ -107,8 +113,10 @@ def test_llama_whole_step_refines(llama: tuple[capture.Case, float]) -> None:
 
 
 @SLOW
-def test_o_proj_partial_twin_does_not_refine(twin: capture.Case) -> None:
-    report = twin.check()
+@pytest.mark.parametrize("backward", [False, True])
+def test_o_proj_partial_twin_does_not_refine(twin: capture.Case, backward: bool) -> None:
+    """Measured: the loss alone (backward=False) in 273 s; the whole step did not finish in 20 min."""
+    report = (twin if backward else capture(LLAMA.make_case(bug="o_proj_partial", backward=False))).check()
     assert not report.refines
     c = report.culprit
     assert c is not None

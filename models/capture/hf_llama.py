@@ -53,6 +53,14 @@ def causal_lm_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     return out.loss
 
 
+def forward_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor) -> torch.Tensor:
+    """The loss alone (no backward): a quick check of the forward pass."""
+    with float64_reference():
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                     use_cache=False).loss
+
+
 def _plan(model: nn.Module, bug: str | None) -> dict[str, str] | None:
     if bug != "o_proj_partial":
         return None
@@ -66,7 +74,7 @@ def _plan(model: nn.Module, bug: str | None) -> dict[str, str] | None:
     return plan
 
 
-def make_case(world_size: int = 2, bug: str | None = None, layers: int = 1) -> capture.Spec:
+def make_case(world_size: int = 2, bug: str | None = None, layers: int = 1, backward: bool = True) -> capture.Spec:
     from transformers import LlamaForCausalLM
 
     if bug is not None and bug not in BUGS:
@@ -83,7 +91,8 @@ def make_case(world_size: int = 2, bug: str | None = None, layers: int = 1) -> c
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world_size,))
-        return capture.Step(tensor_parallel(seq, mesh, _plan(seq, bug)), causal_lm_step, inputs)
+        return capture.Step(tensor_parallel(seq, mesh, _plan(seq, bug)), step, inputs)
 
-    return capture.Spec(capture.Step(seq, causal_lm_step, inputs), rank, world_size=world_size,
+    step = causal_lm_step if backward else forward_step
+    return capture.Spec(capture.Step(seq, step, inputs), rank, world_size=world_size,
                         mesh={"tp": world_size})

@@ -149,6 +149,10 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = N
                 _placement_annotation(local, tuple(p.placements), axis)
                 module._parameters[name] = local
                 found[name] = tuple(p.placements)
+            else:  # no plan entry: transformers keeps it whole on every rank
+                replicate(p, axis)
+        for b in module.buffers(recurse=False):
+            replicate(b, axis)
         if found:
             _LocalParams(module, p.device_mesh, found).install()  # type: ignore[union-attr]
     return m
