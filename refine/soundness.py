@@ -65,6 +65,7 @@ class SeedGen:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.aux = random.Random(f"{self.seed}:aux")
         self.core = {n: op for n, op in self.registry.ops.items() if op.core}
 
     # -- leaves and shapes
@@ -142,7 +143,14 @@ class SeedGen:
                 return None
             keep = r.randint(0, nd)  # dims of x: the last `keep` dims
             src = tuple(1 if r.random() < 0.5 else s for s in shape[nd - keep:])
-            return Term("expand", (self.leaf(src, kind, bound),), (shape,))
+            inner = None
+            if self.aux.random() < 0.3:  # sometimes a concat broadcast along its other dims
+                main, self.rng = self.rng, self.aux  # own stream: the other seeds stay as they were
+                try:
+                    inner = self.like(src, kind, "cat", bound)
+                finally:
+                    self.rng = main
+            return Term("expand", (inner or self.leaf(src, kind, bound),), (shape,))
         if structural:
             return None
         if form == "full":
