@@ -65,6 +65,7 @@ class SeedGen:
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.aux = random.Random(f"{self.seed}:aux")
         self.core = {n: op for n, op in self.registry.ops.items() if op.core}
 
     # -- leaves and shapes
@@ -142,7 +143,14 @@ class SeedGen:
                 return None
             keep = r.randint(0, nd)  # dims of x: the last `keep` dims
             src = tuple(1 if r.random() < 0.5 else s for s in shape[nd - keep:])
-            return Term("expand", (self.leaf(src, kind, bound),), (shape,))
+            inner = None
+            if self.aux.random() < 0.3:  # sometimes a concat broadcast along its other dims
+                main, self.rng = self.rng, self.aux  # own stream: the other seeds stay as they were
+                try:
+                    inner = self.like(src, kind, "cat", bound)
+                finally:
+                    self.rng = main
+            return Term("expand", (inner or self.leaf(src, kind, bound),), (shape,))
         if structural:
             return None
         if form == "full":
@@ -184,6 +192,8 @@ class SeedGen:
         x = self.dims()
         unary_pos = {"log_t", "sqrt_t", "rsqrt_t", "reciprocal_t"}
         if op.kind == "unary":
+            if name == "cast_float_t":  # bool masks and small integers, as the casts it stands for
+                return [(x, r.choice(["b", "i"]), 7)], ()
             if name == "Scale":
                 return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
             kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"

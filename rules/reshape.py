@@ -140,6 +140,13 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
               "(= k2 (d/ (d* k inner-in) inner-out))", "(d> k2 (dim 0))", "(d< k2 (vec-get so d2))"],
              ["(union e (cat (view p (vec-set so d2 k2)) "
               "(view q (vec-set so d2 (d- (vec-get so d2) k2))) d2))"]),
+        # a slice along a dim the view keeps (same extent, same elements before it) is a
+        # slice of the input along that dim, viewed
+        rule("slice-view-kept-dim",
+             ["(= e (slice v d2 s t))", "(= v (view x so))", "(= si (shape x))",
+              "(= pre (pp si d))", "(= pre (pp so d2))", "(< d (vec-length si))", "(< d2 (vec-length so))",
+              "(= (vec-get si d) (vec-get so d2))"],
+             ["(union e (view (slice x d s t) (vec-set so d2 (d- t s))))"]),
     ]
 
 

@@ -49,9 +49,11 @@ ATTR_ALIASES: dict[str, dict[str, str]] = {
 IGNORED = {"memory_format", "layout", "device", "pin_memory", "non_blocking", "implicit", "half_to_float"}
 
 # ops whose output is their first input's value. A cast within one dtype class (float to
-# float, int to int) is one (refine reasons about real-valued semantics); others are refused.
-IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "resolve_conj",
+# float, int to int) is one (refine reasons about real-valued semantics); a cast from bool or
+# int to float becomes refine's `cast` (rules/cast.py); others are refused.
+IDENTITY = {"clone", "detach", "alias", "lift_fresh_copy", "contiguous", "_to_copy", "to", "resolve_conj",
             "resolve_neg"}
+PRIM_IDENTITY = {"prims::convert_element_type"}  # a cast, as torch._refs decompositions leave it
 WAITS = {"_c10d_functional::wait_tensor"}  # waiting on a functional collective: its value
 
 # collectives, by qualified name. Functional ones return the result; legacy c10d ones
@@ -197,33 +199,6 @@ def _select(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("reshape", [s], {"shape": list(_out_shape(em, node))})
 
 
-def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
-    """slice_scatter(self, src, dim, start, end): self with [start:end] along dim replaced by
-    src, i.e. the concat of self's part before, src, and self's part after (slice_backward
-    decomposes to it: src between zeros)."""
-    x, src = em.value(a["self"]), em.value(a["src"])
-    shape = em.type(x).shape
-    d = _dim(a["dim"], len(shape))
-    n = shape[d]
-    start = 0 if a["start"] is None else a["start"]
-    end = n if a["end"] is None else a["end"]
-    start = max(0, min(n, start + n if start < 0 else start))
-    end = max(start, min(n, end + n if end < 0 else end))
-    if (a.get("step") or 1) != 1:
-        raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
-
-    def part(s: int, e: int, suffix: str) -> str:
-        if x in em.fills:  # a piece of a constant is a constant (the zeros of slice_backward)
-            return em.emit("full", [], {"value": em.fills[x], "shape": [*shape[:d], e - s, *shape[d + 1:]]},
-                           final=False, suffix=suffix)
-        return em.emit("slice", [x], {"dim": d, "start": s, "end": e}, final=False, suffix=suffix)
-
-    parts = ([part(0, start, "before")] if start > 0 else []) + [src] + ([part(end, n, "after")] if end < n else [])
-    if len(parts) == 1:
-        return src
-    return em.emit("concat", parts, {"dim": d})
-
-
 def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     xs = [em.value(t) for t in a["tensors"]]
     xs = [x for x in xs if em.type(x).shape != (0,)]  # torch.cat skips empty 1-d tensors
@@ -313,13 +288,69 @@ def _transpose(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("transpose", [x], {"dim0": i, "dim1": j})
 
 
+def _constant_pad_nd(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """constant_pad_nd(x, pad, value): per dim (pairs from the last dim) a slice for negative
+    pads and a concat with `full` constants for positive ones (label shifting pads with -100)."""
+    x = em.value(a["self"])
+    pad, value = list(a["pad"]), float(a.get("value") or 0.0)
+    for i in range(len(pad) // 2):
+        d = len(em.type(x).shape) - 1 - i
+        before, after = int(pad[2 * i]), int(pad[2 * i + 1])
+        shape = list(em.type(x).shape)
+        if before < 0 or after < 0:
+            x = em.emit("slice", [x], {"dim": d, "start": max(0, -before), "end": shape[d] - max(0, -after)},
+                        final=False, suffix=f"crop{d}")
+            before, after = max(0, before), max(0, after)
+        parts = []
+        for n, what in ((before, "before"), (after, "after")):
+            shape = list(em.type(x).shape)
+            shape[d] = n
+            parts.append(em.emit("full", [], {"value": value, "shape": shape}, final=False, suffix=f"pad{d}_{what}",
+                                 dtype=em.type(x).dtype) if n else None)
+        pieces = [p for p in (parts[0], x, parts[1]) if p is not None]
+        if len(pieces) > 1:
+            x = em.emit("concat", pieces, {"dim": d}, final=False, suffix=f"pad{d}")
+    return x
+
+
+def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """slice_scatter(x, src, dim, start, end): x with that slice replaced by src (the backward
+    of a slice), as a concat of x's pieces around src."""
+    x, src = em.value(a["self"]), em.value(a["src"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    n = shape[d]
+    start = 0 if a["start"] is None else a["start"]
+    end = n if a["end"] is None else a["end"]
+    start = max(0, min(n, start + n if start < 0 else start))
+    end = max(start, min(n, end + n if end < 0 else end))
+    if (a.get("step") or 1) != 1:
+        raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
+
+    def piece(lo: int, hi: int, what: str) -> str:
+        if isinstance(x, str) and x in em.fills:  # a slice of a constant is a constant (zeros, mostly)
+            shape = list(em.type(x).shape)
+            shape[d] = hi - lo
+            return em.emit("full", [], {"value": em.fills[x], "shape": shape}, final=False, suffix=what,
+                           dtype=em.type(x).dtype)
+        return em.emit("slice", [x], {"dim": d, "start": lo, "end": hi}, final=False, suffix=what)
+
+    pieces = []
+    if start > 0:
+        pieces.append(piece(0, start, "head"))
+    pieces.append(src)  # type: ignore[arg-type]
+    if end < n:
+        pieces.append(piece(end, n, "tail"))
+    return pieces[0] if len(pieces) == 1 else em.emit("concat", pieces, {"dim": d})
+
+
 # base name -> handler; MULTI handlers take the output index
 SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
     "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
-    "index": _index,
+    "index": _index, "constant_pad_nd": _constant_pad_nd,
 }
 SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
 MULTI: dict[str, Handler] = {

@@ -213,6 +213,8 @@ class Emitter:
             return self._collective(n, qual, a, path)
         if qual in aten.WAITS:
             return self.value(a["tensor"])
+        if qual in aten.PRIM_IDENTITY:
+            return self._identity(n, qual, a)
         ns, _, name = qual.partition("::")
         if ns != "aten":
             raise self.fail("unknown op: refine has no mapping for this namespace; add one in refine/capture/aten.py")
@@ -276,8 +278,12 @@ class Emitter:
         x = next(v for v in a.values() if isinstance(v, fx.Node))
         src, out = x.meta["val"].dtype, n.meta["val"].dtype
         if src != out and _dtype_class(src) != _dtype_class(out):
-            raise self.fail(f"a cast from {src} to {out}: refine treats only casts within one dtype class "
-                            "(floating to floating, integer to integer) as identities")
+            if _dtype_class(out) == "float" and _dtype_class(src) in ("bool", "int"):
+                # keeps every value as a real number, but is not an identity (rules/cast.py)
+                return self.emit("cast", [self.value(x)], {"dtype": self.dtype(out)})
+            raise self.fail(f"a cast from {src} to {out}: refine treats casts within one dtype class "
+                            "(floating to floating, integer to integer) as identities and casts from bool "
+                            "or integer to floating point as `cast`; other casts change values")
         return self.value(x)
 
     def _generic(self, n: fx.Node, name: str, a: dict[str, Any]) -> str:

@@ -81,11 +81,19 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         sys.excepthook = hook
 
 
+# Installed libraries whose frames count as the user's code (a node's source line): model
+# libraries such as transformers (refine.capture.hf adds it), whose lines say more than the
+# caller's one line running the whole model.
+SOURCE_LIBRARIES: list[str] = []
+
+
 def _is_user(filename: str) -> bool:
     try:
         f = str(Path(filename).resolve())
     except (OSError, ValueError):
         return False
+    if any(f.startswith(lib) for lib in SOURCE_LIBRARIES):
+        return True
     return not (filename.startswith("<") or f.startswith(_TORCH) or f.startswith(_REFINE) or f.startswith(_STDLIB))
 
 

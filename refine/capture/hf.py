@@ -1,0 +1,199 @@
+"""Hugging Face transformers models under their own tensor-parallel plan, made capturable.
+
+transformers (5.x) applies a model's `tp_plan` (`config.base_model_tp_plan` plus the head's
+`_tp_plan`, e.g. Llama: q/k/v/gate/up "colwise", o/down "rowwise", lm_head
+"colwise_gather_output") with `transformers.distributed.tensor_parallel.
+apply_tensor_parallelism(model, mesh)`: every planned parameter becomes a DTensor
+`nn.Parameter` (colwise weight Shard(0), rowwise weight Shard(1), ...) and each planned
+module's `forward` is wrapped to turn its input into a DTensor, redistribute it and turn the
+output back into a local tensor. The collectives come from DTensor's redistributions
+(functional all_reduce / all_gather), forward and backward.
+
+refine traces a step with the parameters as plain graph inputs, so `tensor_parallel` below
+turns each DTensor parameter back into a plain `nn.Parameter` holding the rank's local
+shard, annotated with the placement transformers gave it (derived from the plan, not
+guessed), and rebuilds the DTensor (`DTensor.from_local`) inside the module's forward, where
+make_fx traces it like any other op. This is the only DTensor-specific glue here: one
+parameter wrapper per planned module (`_LocalParams`), nothing else.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from refine.capture.annotate import partial, replicate, shard
+from refine.capture.errors import CaptureError
+from refine.capture.trace import SOURCE_LIBRARIES
+
+
+def _register_source() -> None:
+    """Nodes traced in transformers' code are reported at its lines (modeling_llama.py:NNN),
+    not at the one user line that calls the model."""
+    import transformers
+
+    root = str(Path(transformers.__file__).resolve().parent)
+    if root not in SOURCE_LIBRARIES:
+        SOURCE_LIBRARIES.append(root)
+
+
+_register_source()
+
+
+def _placement_annotation(param: torch.Tensor, placements: tuple[Any, ...], axis: str | None) -> None:
+    """Annotate a local shard with its DTensor placement (one mesh axis: tensor parallel)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if len(placements) != 1:
+        raise CaptureError(f"a DTensor parameter on a {len(placements)}-d mesh: refine.capture.hf handles a 1-d "
+                           "tensor-parallel mesh")
+    (p,) = placements
+    if isinstance(p, Shard):
+        shard(param, p.dim % param.ndim, axis)
+    elif isinstance(p, Replicate):
+        replicate(param, axis)
+    elif isinstance(p, Partial):
+        partial(param, "sum", axis)
+    else:  # pragma: no cover - a placement transformers does not use for parameters
+        raise CaptureError(f"DTensor placement {p} has no refine counterpart")
+
+
+class _LocalParams:
+    """A planned module's parameters as local shards, rebuilt as DTensors for its forward.
+
+    Why: make_fx traces a function of plain tensors; refine's tracer passes the parameters
+    in as fresh leaves (refine.capture.trace). Rebuilding the DTensor from the leaf inside
+    the forward makes DTensor's own dispatch (sharding propagation, redistributions) part of
+    the trace, and `from_local`'s backward hands the leaf its local gradient, placed like the
+    parameter."""
+
+    def __init__(self, module: nn.Module, mesh: Any, placements: dict[str, tuple[Any, ...]]) -> None:
+        self.module, self.mesh, self.placements = module, mesh, placements
+
+    @contextmanager
+    def as_dtensors(self) -> Iterator[None]:
+        from torch.distributed.tensor import DTensor
+
+        params = self.module._parameters
+        saved = {n: params[n] for n in self.placements}
+        try:
+            for n, pl in self.placements.items():
+                local = saved[n]
+                if local is not None and not isinstance(local, DTensor):
+                    params[n] = DTensor.from_local(local, self.mesh, pl, run_check=False)  # type: ignore[assignment]
+            yield
+        finally:
+            params.update(saved)
+
+    def install(self) -> None:
+        forward = self.module.forward  # transformers' TP forward (input/output redistribution)
+
+        def local_params_forward(*args: Any, **kwargs: Any) -> Any:
+            with self.as_dtensors():
+                return forward(*args, **kwargs)
+
+        self.module.forward = local_params_forward  # type: ignore[method-assign]
+
+
+def fresh_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation and redistribution caches.
+
+    Why: capture traces the ranks one after another in one process. A DeviceMesh compares
+    equal to another rank's mesh of the same shape (equality ignores which rank holds it),
+    so a cached propagation made while tracing rank 0 hands rank 1 output specs carrying
+    rank 0's mesh object, whose coordinate is 0: rank 1 then takes rank 0's shard when
+    DTensor splits a replicated tensor (seen in the backward of lm_head's gathered logits).
+    Each rank must start with empty caches."""
+    from torch.distributed.tensor import DTensor, _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    prop.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:  # the C++ dispatch fast path's own cache
+        clear_native()
+
+
+def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = None, axis: str | None = None,
+                    copy_model: bool = True) -> nn.Module:
+    """`model` (a transformers PreTrainedModel) parallelized by transformers' own
+    `apply_tensor_parallelism` over `mesh` with its tp_plan (or `plan`, the full plan keyed
+    by module path as `model.tp_plan` gives it), with local-shard parameters annotated for
+    capture. Call it inside the rank's process group (the rank factory of a Spec)."""
+    from torch.distributed.tensor import DTensor
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    fresh_dtensor_caches()
+    m = copy.deepcopy(model) if copy_model else model
+    if plan is not None:
+        m.tp_plan = dict(plan)  # type: ignore[assignment]
+    elif not m.tp_plan:
+        raise CaptureError(f"{type(model).__name__} has no tensor-parallel plan (tp_plan)")
+    apply_tensor_parallelism(m, mesh)
+    for module in m.modules():
+        found: dict[str, tuple[Any, ...]] = {}
+        for name, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+                _placement_annotation(local, tuple(p.placements), axis)
+                module._parameters[name] = local
+                found[name] = tuple(p.placements)
+            else:  # no plan entry: transformers keeps it whole on every rank
+                replicate(p, axis)
+        for b in module.buffers(recurse=False):
+            replicate(b, axis)
+        if found:
+            _LocalParams(module, p.device_mesh, found).install()  # type: ignore[union-attr]
+    return m
+
+
+
+class _KeepFloat64(TorchFunctionMode):
+    """Float casts and `dtype=` arguments that would take a float64 tensor to another
+    floating dtype keep it float64."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(t.dtype == torch.float64 for t in tensors):
+            if func in _DOWNCASTS and args and args[0].dtype == torch.float64:
+                return args[0]
+
+            def keep(v: Any) -> Any:
+                return torch.float64 if isinstance(v, torch.dtype) and v.is_floating_point else v
+
+            args = tuple(keep(a) for a in args)
+            if "dtype" in kwargs:
+                kwargs["dtype"] = keep(kwargs["dtype"])
+        return func(*args, **kwargs)
+
+
+_DOWNCASTS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+
+@contextmanager
+def float64_reference() -> Iterator[None]:
+    """Inside it, a float64 tensor stays float64 through float casts (`.float()`,
+    `.to(torch.float32)`, `softmax(..., dtype=torch.float32)`, ...). No effect on float32
+    runs (the traced one).
+
+    Why: transformers upcasts to float32 on purpose in places (RMSNorm's variance, eager
+    attention's softmax, the rotary angles, the loss's logits), whatever the model's dtype.
+    refine replays the captured sequential graph against the step run eagerly in float64
+    (refine.capture.case) and treats float casts as identities (real-valued semantics), so
+    those float32 roundings (~1e-7 relative) fail that strict replay although the
+    translation is exact. A step wrapped in this context runs the float64 replay with the
+    same real-valued formulas in float64 throughout."""
+    with _KeepFloat64():
+        yield
