@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -158,7 +159,9 @@ def test_grad_placements_partial_doubles_every_gradient() -> None:
 
 @pytest.mark.parametrize("bug,sp,culprit", [
     ("partial_output_loss", False, "loss = F.mse_loss(out, target)"),
-    ("local_loss", True, "loss = F.mse_loss(out, target)"),
+    # minutes on 2 cores (a long unclean backward): REFINE_SLOW_TESTS=1
+    pytest.param("local_loss", True, "loss = F.mse_loss(out, target)", marks=pytest.mark.skipif(
+        not os.environ.get("REFINE_SLOW_TESTS"), reason="minutes on 2 cores; set REFINE_SLOW_TESTS=1")),
 ])
 def test_loss_twins_do_not_refine(bug: str, sp: bool, culprit: str) -> None:
     report = capture(DT.make_case(bug=bug, sequence_parallel=sp)).check()
