@@ -198,26 +198,25 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rewrite("scale-one", "(Scale x r)", "x", f"(= r {one})"),
         # a scale by r != 0 is invertible: x is y / r (a rank tensor scaled otherwise than
         # the sequential one, as with a loss divided by a micro-batch count)
-        rule("scale-inverse", ["(= y (Scale x r))", f"(!= r {zero})"], [f"(union x (Scale y (/ {one} r)))"]),
+        rule("scale-inverse", ["(= y (Scale x r))", "(= y (D n))", f"(!= r {zero})"],
+             [f"(union x (Scale y (/ {one} r)))"]),
         rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
-        # like terms of a sum collect: x/2 + x/2 is x (a replicated bias split into a partial
-        # sum on every rank, say, then all-reduced)
-        rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
-                                 "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
-             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
-        # ... and x + x is 2x, x + r*x is (1 + r)*x (a bias halved on every rank, summed)
-        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)",
-                               "(multiset-contains (multiset-remove ms a) a)"],
-             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
-        rule("sum-plain-and-scale", ["(= e (Sum ms))", "(= b (Scale a r))", "(multiset-contains ms a)",
-                                     "(multiset-contains (multiset-remove ms a) b)"],
-             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
+        # halves of one tensor collect: x/2 + x/2 is x (a replicated bias halved on every rank
+        # of two, then summed: DTensor's Replicate -> Partial). Only to the whole tensor: a
+        # rule making new multiples here would feed the multiples rules below new factors
+        # without end
+        rule("sum-halves", ["(= e (Sum ms))", "(= a (Scale x r))", "(multiset-contains ms a)",
+                            "(multiset-contains (multiset-remove ms a) a)", f"(= (+ r r) {one})"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) x)))"]),
+        # These rules make new multiples; each is kept to multiples of rank tensors (D), so the
+        # factors they make stay few: unguarded, collecting like terms and relating multiples
+        # feed each other new rationals without end.
         # a multiple of x is a multiple of any other non-zero multiple of x: so a relation
         # Scale(x, a) is found as a multiple of the rank tensor holding Scale(x, b) (a
         # gradient averaged where the sequential one is summed, a loss scaled twice)
-        rule("scale-factor", ["(= e1 (Scale x a))", "(= e2 (Scale x b))", "(!= a b)",
+        rule("scale-factor", ["(= e1 (Scale x a))", "(= e2 (Scale x b))", "(= e2 (D n))", "(!= a b)",
                               "(!= b (bigrat (bigint 0) (bigint 1)))"],
              ["(union e1 (Scale e2 (/ a b)))"]),
         # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing
