@@ -19,7 +19,7 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check refine rules models tests notebooks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2  # both cores: the suite is mostly independent capture and e-graph runs
 
 lint: setup
 	$(BIN)/ruff check refine rules models tests notebooks
