@@ -367,6 +367,22 @@ def test_a_stale_alias_after_an_in_place_op_is_refused() -> None:
         capture(spec(lambda r: Lin(), step=step))
 
 
+def test_an_in_place_write_through_another_name_is_followed() -> None:
+    """`p.grad.data.copy_(...)` then reading `p.grad` (as Megatron's finalize_model_grads
+    does): the read follows the write. The replay against the eager step checks the value."""
+
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()
+        g = model.fc.weight.grad
+        g.data.copy_(g * 3)
+        return loss
+
+    case = capture(spec(lambda r: Lin(), step=step, seq_step=step))
+    assert any(n["op"] == "Scale" or (n["op"] == "mul" and 3 in n["args"]) for n in case.seq_doc["graph"]["nodes"])
+    assert case.check().refines
+
+
 def test_ambiguous_guesses_ask_for_an_annotation() -> None:
     with pytest.raises(CaptureError, match=r"mesh axes \['a', 'b'\] all have 2 ranks.*annotate"):
         capture(spec(lambda r: Lin(out=2), seq_model=Lin(out=4), world_size=4, mesh={"a": 2, "b": 2}))
