@@ -158,7 +158,9 @@ def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, str], rel
         adders = {v.rpartition("@")[2] for y in prog.same.group(x) for v in prog.users.get(y, [])
                   if (dv := prog.defs.get(v)) is not None and dv.op == d.op
                   and any(b.op == "D" and find(b.attrs[0]) in pieces for b in dv.args)}
-        if len(adders) != want.get(x, Fraction(0)):
+        # one rank adding a whole term is how a sum over ranks takes it once (rank 0 adds the
+        # bias); several ranks must add it as often as the sequential sum has it
+        if len(adders) > 1 and len(adders) != want.get(x, Fraction(0)):
             return True
     return False
 
