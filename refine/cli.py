@@ -93,18 +93,22 @@ RULES_OPTION = click.option("--rules", "rules", multiple=True, type=click.Path(f
               help="check this pair first and show how often each rule fired in it")
 def rules_list_cmd(rules: tuple[str, ...], pair: tuple[str, str] | None) -> None:
     """Every rule with its family (and, after --check, its matches)."""
+    from collections import Counter
+
     from rich.table import Table
 
-    from refine.check import check_files, engine_for
+    from refine.check import _ENGINES, check_files, engine_for
     from refine.opset import load_registry
 
     try:
         registry = load_registry(rules)
         fired = None
         if pair is not None:
+            # engines live for the process: count only what this check adds
+            before = {k: Counter(e.fired) for k, e in _ENGINES.items()}
             report = check_files(*pair, rules)
-            engine = engine_for(registry, bool(report.symbols))
-            fired = engine.fired
+            symbolic = bool(report.symbols)
+            fired = engine_for(registry, symbolic).fired - before.get((id(registry), symbolic), Counter())
     except InputError as e:
         _bad_input(str(e), "text")
         return
