@@ -104,11 +104,11 @@ def rules_list_cmd(rules: tuple[str, ...], pair: tuple[str, str] | None) -> None
         registry = load_registry(rules)
         fired = None
         if pair is not None:
-            # engines live as long as the process: count only this check's matches
+            # engines live for the process: count only what this check adds
             before = {k: Counter(e.fired) for k, e in _ENGINES.items()}
             report = check_files(*pair, rules)
-            engine = engine_for(registry, bool(report.symbols))
-            fired = engine.fired - before.get((id(registry), bool(report.symbols)), Counter())
+            symbolic = bool(report.symbols)
+            fired = engine_for(registry, symbolic).fired - before.get((id(registry), symbolic), Counter())
     except InputError as e:
         _bad_input(str(e), "text")
         return
