@@ -8,6 +8,7 @@ multiplies by an exact rational. Everything else follows the op registry.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -34,6 +35,12 @@ class Term:
         for a in self.args:
             out |= a.leaves()
         return out
+
+    def rename(self, f: Callable[[str], str]) -> Term:
+        """This term with every rank tensor name passed through f."""
+        if self.op == "D":
+            return Term("D", (), (f(self.attrs[0]),))
+        return Term(self.op, tuple(a.rename(f) for a in self.args), self.attrs) if self.args else self
 
     def ops(self) -> set[str]:
         out = {self.op}

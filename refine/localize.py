@@ -45,6 +45,15 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
                   f"{prog.nodes[rank_node].op}{at}): the op runs before the pieces are summed; this node's "
                   f"input is that sum, {', '.join(str(inf.relations[a]) for a in node.tensor_args())}")
         first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
+    elif copies := _copies_summed(core, inf, prog, registry, {n for n in ancestors if order.get(n, limit + 1) <= limit}):
+        name, rank_node = min(copies.items(), key=lambda kv: order[kv[0]])
+        node = core.index()[name]
+        rank_source = prog.nodes[rank_node].source
+        at = f" at {rank_source}" if rank_source else ""
+        reason = (f"a collective sums copies of one tensor ({rank_node}: {prog.nodes[rank_node].op}{at}, over "
+                  f"{prog.defs[rank_node]}): every rank holds a multiple of the value from here on, "
+                  f"{inf.relations[name]}")
+        first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
     elif unclean:
         node = core.index()[unclean[0]]
         reason = UNCLEAN
@@ -99,43 +108,110 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
     summed tensor (preferably one with the rank node's op): sequential node -> rank node."""
     find = prog.same.find
     order = {n.name: i for i, n in enumerate(core.nodes)}
-    pieces: dict[str, str] = {}  # rank piece -> the sequential tensor whose relation sums it
-    held: set[str] = set()  # every rank tensor of a clean relation
+    pieces: dict[str, list[str]] = {}  # rank piece -> the sequential tensors whose relations sum it
     for name, rel in inf.relations.items():
         if not inf.clean.get(name, False):
             continue
-        held |= {find(x) for x in rel.leaves()}
         if rel.op != "Sum" or name not in candidates:
             continue
         # the partial terms: one tensor of the rank programs summed over several ranks (a
         # term held once is a whole tensor added to the sum, a replicated bias, say)
         by_base: dict[str, list[str]] = {}
+        own: dict[str, str] = {}  # a term no other rank holds a replica of -> its rank
         for a in rel.args:
             t = a.args[0] if a.op == "Scale" else a
             if t.op == "D":
                 by_base.setdefault(t.attrs[0].rpartition("@")[0], []).append(t.attrs[0])
-        for group in by_base.values():
-            if len(group) > 1:
-                for x in group:
-                    pieces.setdefault(find(x), name)
+                ranks = {y.rpartition("@")[2] for y in prog.same.group(t.attrs[0])}
+                if len(ranks) == 1:
+                    own[t.attrs[0]] = ranks.pop()
+        groups = [g for g in by_base.values() if len(g) > 1]
+        # ... or tensors of several ranks, each its own (rank 0 adds more terms to its partial,
+        # so its tensor has another name)
+        if len(set(own.values())) > 1:
+            groups.append(list(own))
+        for group in groups:
+            for x in group:
+                pieces.setdefault(find(x), []).append(name)
+    # a rank's view, slice, transpose or scale of a piece is a piece too (of the same
+    # transform of the sum): a bias added after the rank views its partial product
+    for u, d in prog.defs.items():
+        rn = prog.nodes.get(u)
+        if (d is not None and rn is not None and registry.ops[rn.op].kind != "collective"
+                and registry.ops[d.op].linear == "first" and len(d.args) == 1 and d.args[0].op == "D"
+                and (src := pieces.get(find(d.args[0].attrs[0]))) is not None):
+            pieces.setdefault(find(u), src)
     users = core.users()
     out: dict[str, str] = {}
     for u, d in prog.defs.items():
         rn = prog.nodes.get(u)
-        if d is None or rn is None or registry.ops[rn.op].kind == "collective" or find(u) in held:
+        if d is None or rn is None or registry.ops[rn.op].kind == "collective":
             continue
         flags = [a.op == "D" and find(a.attrs[0]) in pieces for a in d.args]
         if not any(flags) or not _breaks_partial(registry.ops[d.op].linear, flags):
             continue
         summed = pieces[find(next(a for a, f in zip(d.args, flags, strict=True) if f).attrs[0])]
-        near = sorted((n for n in users.get(summed, []) if n.name in candidates), key=lambda n: order[n.name])
+        near = sorted({n.name: n for t in summed for n in users.get(t, []) if n.name in candidates}.values(),
+                      key=lambda n: order[n.name])
         if not near:
             continue
         at = next((n for n in near if n.op == d.op), near[0])
-        if d.op == "Sum" and not _overcounted(prog, u, d, pieces, inf.relations[at.name]):
+        # the sequential sum as its inputs' relations give it (its own relation may be the
+        # rank tensor found equal to it, which says nothing of how often a term is in it)
+        whole = (Term("Sum", tuple(inf.relations[a] for a in at.tensor_args())) if at.op == "Sum"
+                 else inf.relations[at.name])
+        if d.op == "Sum" and not _overcounted(prog, u, d, pieces, whole):
             continue  # the whole terms are counted as often as the sequential sum has them
         if at.name not in out or order.get(u, 0) < order.get(out[at.name], 0):
             out.setdefault(at.name, u)
+    return out
+
+
+def _copies_summed(core: Graph, inf: Inference, prog: DistProgram, registry: Registry,
+                   candidates: set[str]) -> dict[str, str]:
+    """Collectives summing copies of one tensor (an all-reduce of a replicated input, a
+    gradient all-reduced a second time): each rank then holds the world size times the
+    value. Each is reported at the first sequential node among `candidates` whose relation
+    is written over the collective's result or a rank tensor computed from it directly:
+    sequential node -> collective. k copies of x / k summed (a replicated bias halved on
+    every rank of two, DTensor's Replicate -> Partial) are the whole value: not reported."""
+    find = prog.same.find
+    doubled: dict[str, str] = {}  # a rank tensor the collective makes or its direct user -> collective
+    for u, d in prog.defs.items():
+        rn = prog.nodes.get(u)
+        if d is None or rn is None or registry.ops[rn.op].kind != "collective":
+            continue
+        for t in _subterms(d):
+            if t.op != "Sum":
+                continue
+            leaves = [find(a.attrs[0]) for a in t.args if a.op == "D"]
+            # k copies of x / k are x (a replicated tensor made Partial): only other multiples
+            dup = {x for x in leaves if leaves.count(x) > 1}
+            if any((dx := prog.defs.get(x)) is None or dx.op != "Scale"
+                   or Fraction(dx.attrs[0]) * leaves.count(x) != 1 for x in dup):
+                for v in (u, *prog.users.get(u, [])):
+                    doubled.setdefault(find(v), u)
+                break
+    if not doubled:
+        return {}
+    out: dict[str, str] = {}
+    for n in core.nodes:
+        rel = inf.relations.get(n.name)
+        if n.name not in candidates or rel is None or not inf.clean.get(n.name, False):
+            continue
+        hit = sorted({doubled[find(x)] for x in rel.leaves() if find(x) in doubled})
+        if hit:
+            out[n.name] = hit[0]
+            break
+    return out
+
+
+def _subterms(t: Term) -> list[Term]:
+    out, stack = [], [t]
+    while stack:
+        x = stack.pop()
+        out.append(x)
+        stack.extend(x.args)
     return out
 
 
@@ -146,11 +222,19 @@ def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, str], rel
     where the sequence has it once; a bias halved on each of two ranks, or a term one rank
     alone adds (the replicated gradients' squares in a norm), is counted right."""
     find = prog.same.find
+    def key(t: Term) -> str:  # a rank tensor, or a term over rank tensors, up to replicas
+        return find(t.attrs[0]) if t.op == "D" else str(t.rename(find))
+
     want: dict[str, Fraction] = {}
-    for a in rel.args if rel.op == "Sum" else (rel,):
-        t, c = (a.args[0], Fraction(a.attrs[0])) if a.op == "Scale" else (a, Fraction(1))
-        if t.op == "D":
-            want[find(t.attrs[0])] = want.get(find(t.attrs[0]), Fraction(0)) + c
+    stack = [(rel, Fraction(1))]
+    while stack:  # the coefficient of each term (a rank tensor, an expand of one, ...) in the sum
+        t, c = stack.pop()
+        if t.op == "Scale":
+            stack.append((t.args[0], c * Fraction(t.attrs[0])))
+        elif t.op == "Sum":
+            stack.extend((a, c) for a in t.args)
+        else:
+            want[key(t)] = want.get(key(t), Fraction(0)) + c
     for a in d.args:
         x = find(a.attrs[0]) if a.op == "D" else None
         if x is None or x in pieces:
@@ -160,7 +244,9 @@ def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, str], rel
                   and any(b.op == "D" and find(b.attrs[0]) in pieces for b in dv.args)}
         # one rank adding a whole term is how a sum over ranks takes it once (rank 0 adds the
         # bias); several ranks must add it as often as the sequential sum has it
-        if len(adders) > 1 and len(adders) != want.get(x, Fraction(0)):
+        dx = prog.defs.get(x)
+        wanted = want.get(x, Fraction(0)) + (want.get(key(dx), Fraction(0)) if dx is not None else 0)
+        if len(adders) > 1 and len(adders) != wanted:
             return True
     return False
 

@@ -200,16 +200,23 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # the sequential one, as with a loss divided by a micro-batch count)
         rule("scale-inverse", ["(= y (Scale x r))", "(= y (D n))", f"(!= r {zero})"],
              [f"(union x (Scale y (/ {one} r)))"]),
-        rule("scale-sum", ["(= e (Scale (Sum ms) r))"],
+        # not over a sum of copies of one tensor: x = Sum(x/2, x/2) (sum-halves) would let it
+        # distribute Scale(x, r) into Sum(x r/2, x r/2), and then Scale(x, r/2), without end
+        rule("scale-sum", ["(= e (Scale (Sum ms) r))", "(= a (multiset-pick ms))",
+                           "(< (multiset-count ms a) (multiset-length ms))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
-        # halves of one tensor collect: x/2 + x/2 is x (a replicated bias halved on every rank
-        # of two, then summed: DTensor's Replicate -> Partial). Only to the whole tensor: a
-        # rule making new multiples here would feed the multiples rules below new factors
-        # without end
-        rule("sum-halves", ["(= e (Sum ms))", "(= a (Scale x r))", "(multiset-contains ms a)",
-                            "(multiset-contains (multiset-remove ms a) a)", f"(= (+ r r) {one})"],
-             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) x)))"]),
+        # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
+        # bias added on every rank, or halved on every rank, then summed). With scale-sum kept
+        # off sums of copies, these meet no cycle that makes new factors without end
+        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) a)"],
+             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
+        rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                 "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
+        rule("sum-plain-and-scale", ["(= e (Sum ms))", "(= b (Scale a r))", "(multiset-contains ms a)",
+                                     "(multiset-contains (multiset-remove ms a) b)"],
+             [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
         # These rules make new multiples; each is kept to multiples of rank tensors (D), so the
         # factors they make stay few: unguarded, collecting like terms and relating multiples
         # feed each other new rationals without end.
@@ -219,12 +226,20 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("scale-factor", ["(= e1 (Scale x a))", "(= e2 (Scale x b))", "(= e2 (D n))", "(!= a b)",
                               "(!= b (bigrat (bigint 0) (bigint 1)))"],
              ["(union e1 (Scale e2 (/ a b)))"]),
-        # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing
-        rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)"],
+        # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing. Copies are
+        # multiples (sum-duplicate), not flattened: a sum held twice, flattened one copy at
+        # a time, makes every mix of flat and nested copies, and with a multiple of it in
+        # its class (y = x + x, x = y / 2) new factors without end; a sum of copies inside
+        # a sum, flattened, gives each term of k a third form (a, 2b, b + b): 3^k sums
+        # nor a sum inside itself (x = x + 0 would take up zeros without end)
+        rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)",
+                             "(!= e inner)", "(= (multiset-count ms inner) 1)", "(= p (multiset-pick ms2))",
+                             "(< (multiset-count ms2 p) (multiset-length ms2))"],
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
         rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
              ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
         # adding a zero constant changes nothing (an accumulation into zeros, say)
+        rule("scale-zero", ["(= e (Scale z r))", "(= z (full v sh))", "(= v 0.0)"], ["(union e z)"]),
         rule("sum-zero", ["(= e (Sum ms))", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
                           "(> (multiset-length ms) 1)"],
              ["(union e (Sum (multiset-remove ms z)))"]),

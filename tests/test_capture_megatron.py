@@ -176,11 +176,11 @@ def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None
     assert not report.refines
     assert "loss" in failing(report)
     assert report.culprit is not None
-    # fc2's output still has a clean relation, over rank intermediates (the ranks' partial
-    # products plus the bias once); the first node the ranks cannot follow is the squared
-    # error of the loss, whose input relation shows the bias the ranks count twice
-    assert report.culprit.source == line_of("loss = F.mse_loss(model(x), target)")
-    assert any("fc2.bias" in rel or "expand" in rel for _, rel in report.culprit.inputs)
+    # fc2's output still has a clean relation, over rank intermediates (rank 0's partial
+    # product with the bias, rank 1's without); the culprit is fc2, whose inputs are the
+    # partial sum and the bias every rank adds to its piece before the reduction
+    assert report.culprit.source == line_of("return self.fc2(h)")
+    assert any("fc2.bias" in rel for _, rel in report.culprit.inputs)
     # the rank node that adds the bias to its partial product, in the buggy RowParallelLinear
     assert report.culprit.rank_source == line_of("out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias")
 
