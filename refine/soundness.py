@@ -431,9 +431,8 @@ class SeedGen:
             u = self.leaf((2, 3))
             out += [Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), Term("Scale", (u,), (Fraction(-3, 4),)))),
                     Term("Sum", (Term("Scale", (u,), (Fraction(0),)), Term("Scale", (u,), (Fraction(5),)))),
-                    # a tensor twice, plain and scaled, and a scale of zeros (like terms collecting)
-                    Term("Sum", (u, u, self.leaf((2, 3)))), Term("Sum", (u, Term("Scale", (u,), (Fraction(2, 3),)))),
-                    Term("Scale", (Term("full", (), (0.0, (2, 3))),), (Fraction(3, 2),))]
+                    # a tensor twice, and plain and scaled (like terms collecting)
+                    Term("Sum", (u, u, self.leaf((2, 3)))), Term("Sum", (u, Term("Scale", (u,), (Fraction(2, 3),))))]
         rng, self.rng = self.rng, random.Random(f"{self.seed}:indexing")  # leave the stream above as it was
         for _ in range(self.instances):
             out += self.special_indexing()

@@ -209,7 +209,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
         # bias added on every rank, or halved on every rank, then summed). With scale-sum kept
         # off sums of copies, these meet no cycle that makes new factors without end
-        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) a)"],
+        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)", "(!= e a)", "(multiset-contains (multiset-remove ms a) a)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
         rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
                                  "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
@@ -239,7 +239,6 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
              ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
         # adding a zero constant changes nothing (an accumulation into zeros, say)
-        rule("scale-zero", ["(= e (Scale z r))", "(= z (full v sh))", "(= v 0.0)"], ["(union e z)"]),
         rule("sum-zero", ["(= e (Sum ms))", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
                           "(> (multiset-length ms) 1)"],
              ["(union e (Sum (multiset-remove ms z)))"]),
