@@ -62,6 +62,9 @@ class SeedGen:
     seed: int = 0
     instances: int = 3  # random instances of each op
     leaves: dict[str, LeafSpec] = field(default_factory=dict)
+    # leaves that stand for a rank tensor with a definition: the harness unions the leaf
+    # with its term and gives it the term's value (rules guarded to rank tensors fire)
+    defined: dict[str, Term] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -74,6 +77,11 @@ class SeedGen:
         name = f"x{len(self.leaves)}"
         self.leaves[name] = LeafSpec(tuple(shape), kind, bound)
         return Term("D", (), (name,))
+
+    def defined_leaf(self, t: Term) -> Term:
+        x = self.leaf(self.shape(t), self.kind(t))
+        self.defined[x.attrs[0]] = t
+        return x
 
     def shape(self, t: Term) -> tuple[int, ...]:
         return self.type(t).shape
@@ -437,6 +445,10 @@ class SeedGen:
         for _ in range(self.instances):
             out += self.special_indexing()
         self.rng = rng
+        # a rank tensor defined as a multiple, next to another multiple of the same tensor
+        u = self.leaf((2, 3))
+        k = self.defined_leaf(Term("Scale", (u,), (Fraction(3, 2),)))
+        out.append(Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), k)))
         return out
 
     def special_indexing(self) -> list[Term]:
@@ -605,6 +617,8 @@ class Harness:
         self.seed_terms = gen.seeds()
         self.gen = gen
         self.values = leaf_values(gen.leaves, self.seed)
+        for name, t in gen.defined.items():
+            self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
         self.heads = {r.name: query_heads(r, names) for _, r in self.checked_rules}
@@ -627,6 +641,8 @@ class Harness:
                 return text[t]
             if t.op == "D":
                 s = f'(D "{t.attrs[0]}")'
+                if t.attrs[0] in self.gen.defined:
+                    lines.append(f"(union {s} {go(self.gen.defined[t.attrs[0]])})")
             else:
                 args = [go(a) for a in t.args]
                 if t.op in ("Sum", "Max"):
