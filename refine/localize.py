@@ -34,25 +34,25 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     first = failing[0]
     limit = order[unclean[0]] if unclean else max(order.get(refs[r.name], -1) for r in failing)
     rank_node = rank_source = None
-    misplaced = _misplaced(core, inf, prog, registry, {n for n in ancestors if order.get(n, limit + 1) <= limit})
-    if misplaced:
-        name = min(misplaced, key=order.get)  # type: ignore[arg-type]
-        node = core.index()[name]
-        rank_node = misplaced[name]
-        rank_source = prog.nodes[rank_node].source
-        at = f" at {rank_source}" if rank_source else ""
-        reason = (f"a rank uses a piece of a partial sum in a way that is not linear in it ({rank_node}: "
-                  f"{prog.nodes[rank_node].op}{at}): the op runs before the pieces are summed; this node's "
-                  f"input is that sum, {', '.join(str(inf.relations[a]) for a in node.tensor_args())}")
-        first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
-    elif copies := _copies_summed(core, inf, prog, registry, {n for n in ancestors if order.get(n, limit + 1) <= limit}):
-        name, rank_node = min(copies.items(), key=lambda kv: order[kv[0]])
+    region = {n for n in ancestors if order.get(n, limit + 1) <= limit}
+    misplaced = _misplaced(core, inf, prog, registry, region)
+    copies = None if misplaced else _copies_summed(core, inf, prog, registry, region)
+    if misplaced or copies:
+        if misplaced:
+            name = min(misplaced, key=order.get)  # type: ignore[arg-type]
+            rank_node = misplaced[name]
+        else:
+            name, rank_node = copies  # type: ignore[misc]
         node = core.index()[name]
         rank_source = prog.nodes[rank_node].source
-        at = f" at {rank_source}" if rank_source else ""
-        reason = (f"a collective sums copies of one tensor ({rank_node}: {prog.nodes[rank_node].op}{at}, over "
-                  f"{prog.defs[rank_node]}): every rank holds a multiple of the value from here on, "
-                  f"{inf.relations[name]}")
+        did = f"{rank_node}: {prog.nodes[rank_node].op}" + (f" at {rank_source}" if rank_source else "")
+        if misplaced:
+            reason = (f"a rank uses a piece of a partial sum in a way that is not linear in it ({did}): the op "
+                      f"runs before the pieces are summed; this node's input is that sum, "
+                      f"{', '.join(str(inf.relations[a]) for a in node.tensor_args())}")
+        else:
+            reason = (f"a collective sums copies of one tensor ({did}, over {prog.defs[rank_node]}): every rank "
+                      f"holds a multiple of the value from here on, {inf.relations[name]}")
         first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
     elif unclean:
         node = core.index()[unclean[0]]
@@ -168,13 +168,13 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
 
 
 def _copies_summed(core: Graph, inf: Inference, prog: DistProgram, registry: Registry,
-                   candidates: set[str]) -> dict[str, str]:
+                   candidates: set[str]) -> tuple[str, str] | None:
     """Collectives summing copies of one tensor (an all-reduce of a replicated input, a
     gradient all-reduced a second time): each rank then holds the world size times the
-    value. Each is reported at the first sequential node among `candidates` whose relation
-    is written over the collective's result or a rank tensor computed from it directly:
-    sequential node -> collective. k copies of x / k summed (a replicated bias halved on
-    every rank of two, DTensor's Replicate -> Partial) are the whole value: not reported."""
+    value. Returns the first sequential node among `candidates` whose relation is written
+    over such a collective's result or a rank tensor computed from it directly, and the
+    collective. k copies of x / k summed (a replicated bias halved on every rank of two,
+    DTensor's Replicate -> Partial) are the whole value: not reported."""
     find = prog.same.find
     doubled: dict[str, str] = {}  # a rank tensor the collective makes or its direct user -> collective
     for u, d in prog.defs.items():
@@ -193,17 +193,15 @@ def _copies_summed(core: Graph, inf: Inference, prog: DistProgram, registry: Reg
                     doubled.setdefault(find(v), u)
                 break
     if not doubled:
-        return {}
-    out: dict[str, str] = {}
+        return None
     for n in core.nodes:
         rel = inf.relations.get(n.name)
         if n.name not in candidates or rel is None or not inf.clean.get(n.name, False):
             continue
         hit = sorted({doubled[find(x)] for x in rel.leaves() if find(x) in doubled})
         if hit:
-            out[n.name] = hit[0]
-            break
-    return out
+            return n.name, hit[0]
+    return None
 
 
 def _subterms(t: Term) -> list[Term]:
@@ -215,7 +213,7 @@ def _subterms(t: Term) -> list[Term]:
     return out
 
 
-def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, str], rel: Term) -> bool:
+def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, list[str]], rel: Term) -> bool:
     """Whether the whole (non-piece) terms rank tensor `u` adds to a piece are counted, over
     the ranks that add them the same way, more or less often than the sequential relation
     `rel` has them: a bias added on every rank before the sum is counted once per rank
