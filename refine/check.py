@@ -8,7 +8,7 @@ from pathlib import Path
 
 from refine.expr import Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Placement, Relation, case_symbols
+from refine.ir import Dist, Graph, Relation, case_symbols
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -64,9 +64,17 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     for out in seq_core.outputs:
         rel = inf.relations[out.ref]
         ex = explicit.get(out.name)
-        if ex is not None:
-            results.append(_explicit(out.name, out.role, rel, ex.local or out.name, ex.placements or (), dist,
-                                     prog, engine, registry))
+        if ex is not None and ex.layout is not None:
+            wanted = [_as_out(t) for t in ex.layout]
+            expect = " and ".join(map(str, ex.layout))
+            names = {x.rpartition("@")[0] for t in ex.layout for x in t.leaves()}
+            local = names.pop() if len(names) == 1 else None  # the rank output it is expected at
+            results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
+        elif ex is not None:
+            local, pl = ex.local or out.name, ex.placements or ()
+            wanted = [_as_out(t) for t in placed_terms(lambda r, local=local: f"{local}@{r}", pl, dist.mesh)]
+            expect = f"{local} on every rank, placed [{', '.join(map(str, pl))}]"
+            results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
         else:
             results.append(_default(out.name, out.role, rel, prog, engine, registry))
     refines = all(r.ok for r in results)
@@ -79,6 +87,8 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
 
 
 def _guess(r: Relation) -> str:
+    if r.where and r.layout is not None:
+        return f"{r.source}: {' and '.join(map(str, (r.layout, *r.replicas)))} (guessed from names and shapes)"
     if r.where:  # written in the document, flagged as a guess by whoever wrote it
         pl = ", ".join(map(str, r.placements or ()))
         local = f" (rank input {r.local})" if r.local != r.source else ""
@@ -101,18 +111,14 @@ def _output_tensors(prog: DistProgram) -> list[str]:
     return sorted(set(prog.outputs.values()))
 
 
-def _explicit(name: str, role: str, rel: Term, local: str, placements: tuple[Placement, ...], dist: Dist,
+def _explicit(name: str, role: str, rel: Term, wanted: list[Term], expect: str, local: str | None,
               prog: DistProgram, engine: Engine, registry: Registry) -> OutputResult:
-    wanted = placed_terms(lambda r: f"{local}@{r}", placements, dist.mesh)
-    wanted = [_as_out(t) for t in wanted]
     tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
     # how the expected outputs are assembled (an all-reduce of flattened gradients, sliced)
     wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
     tensors += [x for x in structural_ancestry(prog, wanted_leaves, EXPECT_HOPS) if x not in set(tensors)]
     res = engine.step(rel, prog, registry, tensors, checks=wanted)
     ok = all(res.checks)
-    pl = ", ".join(map(str, placements))
-    expect = f"{local} on every rank, placed [{pl}]"
     detail = "" if ok else f"expected {wanted[res.checks.index(False)]}"
     return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail, local)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from refine import dims
-from refine.expr import OPAQUE, Term
+from refine.expr import LEAF_OPS, OPAQUE, Term
 from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, case_symbols, tensor_name
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
@@ -420,6 +420,11 @@ def split_placed(x: Tensor, placements: tuple[Placement, ...], mesh: Mesh, gen: 
     return out
 
 
+def _leaf_list(t: Term) -> list[str]:
+    """A term's leaves in order (structurally parallel terms pair up leaf by leaf)."""
+    return [t.attrs[0]] if t.op in LEAF_OPS else [x for a in t.args for x in _leaf_list(a)]
+
+
 def _rank_leaf(name: str) -> tuple[str, int]:
     base, _, r = name.rpartition("@")
     return base, int(r)
@@ -460,6 +465,10 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
                     rank_vals[r][base] = _random(rank_types[r][base], gen, bound)
                 return rank_vals[r][base]
             seq_vals[rel.source] = canon(eval_term(rel.layout, registry, leaf_value), typ.dtype)
+            for rep in rel.replicas:  # leaf by leaf the same values
+                for a, b in zip(_leaf_list(rel.layout), _leaf_list(rep), strict=True):
+                    (base_a, ra), (base_b, rb) = _rank_leaf(a), _rank_leaf(b)
+                    rank_vals[rb][base_b] = rank_vals[ra][base_a]
             continue
         x = _random(typ, gen, bound_for(rel.source))
         seq_vals[rel.source] = x
@@ -498,6 +507,8 @@ def expected_terms(dist: Dist, output: str, rank_outputs: set[str]) -> list[Term
     from refine.relate import placed_terms
 
     for e in dist.expectations:
+        if e.output == output and e.layout is not None:
+            return list(e.layout)
         if e.output == output:
             local = e.local or output
             return placed_terms(lambda r, local=local: f"{local}@{r}", e.placements or (), dist.mesh)

@@ -51,7 +51,7 @@ FIELDS = {
     "axis": ("name", "size"),
     "rank": ("rank", "graph"),
     "relation": ("from", "input", "placements", "layout", "guessed"),
-    "expectation": ("output", "local", "placements"),
+    "expectation": ("output", "local", "placements", "layout"),
 }
 
 
@@ -643,24 +643,15 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         src = _once(c, rel, "from", at, seq_inputs, related, "relation", "an input")
         want = seq_inputs[src].type.shape
         if "layout" in rel:
-            for k in ("placements", "input", "guessed"):
+            for k in ("placements", "input"):
                 if k in rel:
-                    raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements'/'guessed', not both")
-            text = c.get(rel, "layout", at, str)
-            try:
-                term = parse_layout(text)
-            except LayoutSyntaxError as e:
-                raise c.fail(f"{at}.layout", f"syntax error in layout {text!r}: {e}") from None
-            except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
-                raise c.fail(f"{at}.layout", f"syntax error in layout {text!r} ({type(e).__name__}: {e})") from None
-            for leaf in sorted(term.leaves()):
-                name, _, r = leaf.rpartition("@")
-                if int(r) not in ranks:
-                    raise c.fail(f"{at}.layout", f"{leaf!r}: there is no rank {r} (the mesh has {mesh.size} ranks)")
-                if name not in {x.name for x in ranks[int(r)].inputs}:
-                    raise c.fail(f"{at}.layout", f"{leaf!r} is not an input of rank {r}")
-            _layout_shape(c, term, ranks, registry, want, f"{at}.layout", src)
-            relations.append(Relation(src, layout=term, where=at))
+                    raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements', not both")
+            terms = _layouts(c, rel, at, lambda r: {x.name for x in ranks[r].inputs}, ranks, mesh, "an input")
+            for j, term in enumerate(terms):
+                where = f"{at}.layout" + (f"[{j}]" if isinstance(rel["layout"], list) else "")
+                _layout_shape(c, term, lambda r, n: ranks[r].type_of(n), registry, want, where, src)
+            guessed = c.get(rel, "guessed", at, bool, False)
+            relations.append(Relation(src, layout=terms[0], replicas=tuple(terms[1:]), guessed=guessed, where=at))
             continue
         local = c.name(rel, "input", at, src)
         if "placements" not in rel:
@@ -680,11 +671,24 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
 
     expectations: list[Expectation] = []
     seq_outs = {o.name: o for o in seq.outputs}
+    outs = {r: {o.name: o.ref for o in g.outputs} for r, g in ranks.items()}
     expected: dict[str, str] = {}
     for i, ex in enumerate(c.get(doc, "expectations", "$", list, [])):
         at = f"$.expectations[{i}]"
         c.fields(ex, at, "expectation")
         out = _once(c, ex, "output", at, seq_outs, expected, "expectation", "an output")
+        want = seq.type_of(seq_outs[out].ref).shape
+        if "layout" in ex:
+            for k in ("placements", "local"):
+                if k in ex:
+                    raise c.fail(f"{at}.{k}", "an expectation has either 'layout' or 'local'/'placements', not both")
+            terms = _layouts(c, ex, at, lambda r: set(outs[r]), ranks, mesh, "an output")
+            for j, term in enumerate(terms):
+                where = f"{at}.layout" + (f"[{j}]" if isinstance(ex["layout"], list) else "")
+                _layout_shape(c, term, lambda r, n: ranks[r].type_of(outs[r][n]), registry, want, where, out,
+                              "sequential output")
+            expectations.append(Expectation(out, layout=tuple(terms), where=at))
+            continue
         local = c.name(ex, "local", at, out)
         refs: dict[int, str] = {}
         for r, g in sorted(ranks.items()):
@@ -692,7 +696,6 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             if o is None:
                 raise c.fail(f"{at}.local" if "local" in ex else f"{at}.output", f"{local!r} is not an output of rank {r}")
             refs[r] = o.ref
-        want = seq.type_of(seq_outs[out].ref).shape
         if "placements" in ex:
             pl = _placements(c, ex, at, mesh, len(want), f"sequential output {out!r}")
         else:
@@ -721,14 +724,53 @@ def _once(c: _Ctx, obj: dict[str, Any], key: str, at: str, known: dict[str, Any]
     return name
 
 
-def _layout_shape(c: _Ctx, term: Any, ranks: dict[int, Graph], registry: Registry, want: tuple[int, ...],
-                  where: str, src: str) -> None:
-    """A layout must be well-shaped and make the sequential input's shape."""
+def _layouts(c: _Ctx, obj: dict[str, Any], at: str, names: Callable[[int], set[str]], ranks: dict[int, Graph],
+             mesh: Mesh, kind: str) -> list[Any]:
+    """`obj["layout"]`: one expression over `name@rank`, or a list of replicas: the same
+    expression over other ranks' tensors (leaf by leaf, same names)."""
+    raw = obj.get("layout")
+    texts = raw if isinstance(raw, list) else [c.get(obj, "layout", at, str)]
+    if not texts:
+        raise c.fail(f"{at}.layout", "an empty list of layouts")
+    terms = []
+    for j, text in enumerate(texts):
+        where = f"{at}.layout" + (f"[{j}]" if isinstance(raw, list) else "")
+        if not isinstance(text, str) or not text.strip():
+            raise c.fail(where, f"expected a layout expression (a string), got {_json_type(text)}")
+        try:
+            term = parse_layout(text)
+        except LayoutSyntaxError as e:
+            raise c.fail(where, f"syntax error in layout {text!r}: {e}") from None
+        except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
+            raise c.fail(where, f"syntax error in layout {text!r} ({type(e).__name__}: {e})") from None
+        for leaf in sorted(term.leaves()):
+            name, _, r = leaf.rpartition("@")
+            if int(r) not in ranks:
+                raise c.fail(where, f"{leaf!r}: there is no rank {r} (the mesh has {mesh.size} ranks)")
+            if name not in names(int(r)):
+                raise c.fail(where, f"{leaf!r} is not {kind} of rank {r}")
+        if terms and not _replica_of(terms[0], term):
+            raise c.fail(where, f"layout {text!r} is no replica of {texts[0]!r}: a list of layouts holds the same "
+                                "expression over other ranks' tensors of the same names")
+        terms.append(term)
+    return terms
+
+
+def _replica_of(a: Any, b: Any) -> bool:
+    if a.op in ("D", "Out") or b.op in ("D", "Out"):
+        return a.op == b.op and a.attrs[0].rpartition("@")[0] == b.attrs[0].rpartition("@")[0]
+    return a.op == b.op and a.attrs == b.attrs and len(a.args) == len(b.args) and \
+        all(_replica_of(x, y) for x, y in zip(a.args, b.args, strict=True))
+
+
+def _layout_shape(c: _Ctx, term: Any, type_of: Callable[[int, str], TensorType], registry: Registry,
+                  want: tuple[int, ...], where: str, src: str, what: str = "sequential input") -> None:
+    """A layout must be well-shaped and make the sequential tensor's shape."""
 
     def shape(t: Any) -> TensorType:
         if t.op in ("D", "Out"):
             name, _, r = t.attrs[0].rpartition("@")
-            return ranks[int(r)].type_of(name)
+            return type_of(int(r), name)
         ins = [shape(a) for a in t.args]
         op = registry.ops[t.op]
         attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
@@ -742,4 +784,4 @@ def _layout_shape(c: _Ctx, term: Any, ranks: dict[int, Graph], registry: Registr
         raise c.fail(where, f"the layout for {src!r} is ill-shaped ({type(e).__name__}: {e})") from None
     if tuple(got.shape) != want:
         raise c.fail(where, f"the layout for {src!r} makes shape {list(got.shape)}, "
-                            f"but the sequential input has {list(want)}")
+                            f"but the {what} has {list(want)}")

@@ -123,24 +123,29 @@ class Relation:
 
     Either `placements` (one per mesh axis) applied to the rank input named `local`, or a
     `layout`: an explicit relation expression over rank inputs (`name@rank`) that equals the
-    sequential input, for fused weights.
+    sequential input, for fused weights; `replicas` are more copies of it (a tensor held whole
+    by some ranks only, e.g. a pipeline's tied embedding on its first and last stage).
     """
 
     source: str
     local: str | None = None
     placements: tuple[Placement, ...] | None = None
     layout: Any = None  # a refine.expr.Expr over rank tensors
+    replicas: tuple[Any, ...] = ()  # more layouts, each the first's structure over other ranks' inputs
     guessed: bool = False
     where: str = ""  # json path, for messages
 
 
 @dataclass(frozen=True)
 class Expectation:
-    """A sequential output must equal rank outputs `local` placed by `placements`."""
+    """A sequential output must equal rank outputs `local` placed by `placements`, or each
+    of the `layout` terms over rank outputs (`name@rank`): an output only some ranks make,
+    e.g. the loss of a pipeline's last stage."""
 
     output: str  # sequential output name
     local: str | None = None  # rank output name; None: reconstructible from rank outputs
     placements: tuple[Placement, ...] | None = None
+    layout: tuple[Any, ...] | None = None  # refine.expr terms over rank outputs, each equal to the output
     where: str = ""
 
 

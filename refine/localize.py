@@ -5,7 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from refine.expr import Term
-from refine.ir import Graph
+from refine.ir import Graph, Node
 from refine.opset import Registry
 from refine.prove import Inference
 from refine.relate import DistProgram
@@ -57,6 +57,10 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     elif unclean:
         node = core.index()[unclean[0]]
         reason = UNCLEAN
+        sent = _wrong_message(node, inf, prog)
+        if sent is not None:
+            rank_node, rank_source, why = sent
+            reason += f"; {why}"
     else:
         target = min((refs[r.name] for r in failing), key=lambda n: order.get(n, -1))
         first = next(r for r in failing if refs[r.name] == target)
@@ -95,6 +99,40 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     return Culprit(user, user_node.op if user_node else node.op, node.source, node.name, inputs,
                    sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name,
                    rank_node, rank_source)
+
+
+def _wrong_message(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, str | None, str] | None:
+    """A rank node that combines the tensors the node's input relations name with a tensor
+    received from another rank that is none of them: the sender sent the wrong tensor (a
+    pipeline stage sending its output's gradient back instead of its input's, say). Returns
+    the send node, its source and why."""
+    leaves: set[str] = set()
+    for a in node.tensor_args():
+        leaves |= inf.relations[a].leaves()
+    known = {prog.same.find(x) for x in leaves}
+    for x in sorted(leaves):
+        for u in prog.users.get(x, []):
+            n = prog.nodes.get(u)
+            if n is None:
+                continue
+            rank = u.rpartition("@")[2]
+            for arg in n.tensor_args():
+                got = f"{arg}@{rank}"
+                recv = prog.nodes.get(got)
+                d = prog.defs.get(got)
+                if recv is None or recv.op != "recv" or d is None or d.op != "D" or prog.same.find(got) in known:
+                    continue
+                src = d.attrs[0]
+                base, _, peer = src.rpartition("@")
+                send = next((k for k, m in prog.nodes.items() if m.op == "send" and k.endswith(f"@{peer}")
+                             and m.tensor_args() and m.tensor_args()[0] == base), None)
+                if send is None:
+                    continue
+                where = prog.nodes[send].source
+                return send, where, (f"rank {rank} uses them with {got}, received from rank {peer} "
+                                     f"({send}{' at ' + where if where else ''} sends {src}), which is none of "
+                                     "the tensors the sequential inputs relate to")
+    return None
 
 
 def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registry,

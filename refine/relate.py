@@ -174,7 +174,10 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             raise InputError(file, rel.where, f"a second relation for sequential input {rel.source!r}")
         if rel.layout is not None:
             term = rel.layout
-            _check_shape(term, seq.type_of(rel.source), prog, registry, file, rel)
+            for t in (term, *rel.replicas):
+                _check_shape(t, seq.type_of(rel.source), prog, registry, file, rel)
+            for t in rel.replicas:  # copies of the same tensor (a pipeline's tied weight on two stages)
+                _join(prog, term, t)
         else:
             # every replica must make the sequential input, not only the first one
             assert rel.placements is not None and rel.local is not None

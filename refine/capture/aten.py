@@ -77,6 +77,9 @@ LEGACY_COLLECTIVES = {
     "c10d::_reduce_scatter_base_": "reduce_scatter",
 }
 
+# point-to-point (pipeline stages): dist.send / dist.recv trace as these legacy ops
+P2P = {"c10d::send": "send", "c10d::recv_": "recv"}
+
 # torch dtypes, as refine's format names them
 DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",

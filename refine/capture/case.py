@@ -157,8 +157,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     t_ranks = time.perf_counter() - t0 - t_seq
 
     notes: list[str] = []
-    relations, placed, guesses = _relations(seq_cv, ranks, mesh)
-    expectations = _expectations(seq_tr, ranks, placed, mesh, notes)
+    relations, placed, guesses, held = _relations(seq_cv, ranks, mesh)
+    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held)
     seq_doc = {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": seq_cv.graph}
     dist_doc = {
         "format": FORMAT, "version": VERSION, "kind": "distributed",
@@ -184,14 +184,17 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
 
 
 def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
-               ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str]]:
+               ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str],
+                          dict[str, list[int]]]:
     """A relation per sequential input; `placed`: input -> (rank input, placements or None
-    for a layout). Replicate guesses are left out of the document: the checker makes the
-    same guess and flags it."""
+    for a layout); `held`: inputs that only some ranks hold, whole (pipeline stages) -> those
+    ranks. Replicate guesses are left out of the document: the checker makes the same guess
+    and flags it."""
     axes = list(mesh)
     relations: list[dict[str, Any]] = []
     placed: dict[str, tuple[str, list[str] | None]] = {}
     guesses: list[str] = []
+    held: dict[str, list[int]] = {}
     rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
     for inp in seq_cv.graph["inputs"]:
         s = inp["name"]
@@ -203,7 +206,21 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
             relations.append({"from": s, "placements": ["Replicate"] * len(axes)})  # equal contents, equal name
             placed[s] = (s, ["Replicate"] * len(axes))
             continue
-        local = _local_name(s, ranks, rank_inputs)
+        local, holders = _local_name(s, ranks, rank_inputs)
+        if len(holders) < len(ranks):  # a pipeline stage's parameter or data: held whole where used
+            anns = {r: ranks[r].annotations.get(local) for r in holders}
+            if any(a is not None for a in anns.values()):
+                raise CaptureError(f"{local!r} is annotated but only ranks {holders} hold it: refine takes a tensor "
+                                   "that only some ranks hold as held whole by each of them, unannotated")
+            bad = [r for r in holders if tuple(rank_inputs[r][local]["shape"]) != tuple(inp["shape"])]
+            if bad:
+                raise CaptureError(f"{local!r} is held by ranks {holders} only, and rank {bad[0]} holds shape "
+                                   f"{rank_inputs[bad[0]][local]['shape']}, not the sequential {list(inp['shape'])}: "
+                                   "a tensor only some ranks hold must be held whole")
+            relations.append({"from": s, "layout": [f"{local}@{r}" for r in holders], "guessed": True})
+            placed[s], held[s] = (local, None), holders
+            guesses.append(f"{s}: held whole by ranks {holders} (same name and shape; the other ranks do not use it)")
+            continue
         anns = {r: ranks[r].annotations.get(local) for r in ranks}
         distinct = {a.layout if a and a.layout else tuple(a.placements) if a else None for a in anns.values()}
         if len(distinct) > 1:
@@ -239,11 +256,12 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         if any(p != "Replicate" for p in pl) or local != s:
             relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
-    return relations, placed, guesses
+    return relations, placed, guesses, held
 
 
-def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str, Any]]) -> str:
-    """The rank input holding sequential input `s`: the one annotated seq=s, else `s` itself."""
+def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str, Any]]) -> tuple[str, list[int]]:
+    """The rank input holding sequential input `s` (the one annotated seq=s, else `s` itself)
+    and the ranks that hold it (all of them, unless the program is split into stages)."""
     found: dict[int, str] = {}
     for r, rk in ranks.items():
         named = [n for n, a in rk.annotations.items() if a.seq == s]
@@ -253,13 +271,13 @@ def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str
             found[r] = named[0]
         elif s in rank_inputs[r] and not (rk.annotations.get(s) and rk.annotations[s].seq not in (None, s)):
             found[r] = s
-        else:
-            raise CaptureError(f"sequential input {s!r} has no counterpart on rank {r}: no rank input has that name "
-                               f"or is annotated seq={s!r}")
+    if not found:
+        raise CaptureError(f"sequential input {s!r} has no counterpart on any rank: no rank input has that name "
+                           f"or is annotated seq={s!r}")
     if len(set(found.values())) > 1:
         raise CaptureError(f"sequential input {s!r} is held by differently named rank inputs "
                            f"({', '.join(f'rank {r}: {n}' for r, n in sorted(found.items()))}); one name on every rank")
-    return next(iter(found.values()))
+    return next(iter(found.values())), sorted(found)
 
 
 def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -> tuple[list[str] | None, str]:
@@ -292,18 +310,28 @@ def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -
 
 
 def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
-                  mesh: dict[str, int], notes: list[str]) -> list[dict[str, Any]]:
-    """The loss is Replicate; each gradient is placed like its parameter."""
-    out: list[dict[str, Any]] = [{"output": "loss", "placements": ["Replicate"] * len(mesh)}]
+                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]]) -> list[dict[str, Any]]:
+    """The loss is Replicate (or equal on each rank that computes one: a pipeline's last
+    stage); each gradient is placed like its parameter (equal on each rank holding it)."""
+    with_loss = [r for r, rk in sorted(ranks.items()) if rk.traced.has_loss]
+    if not with_loss:
+        raise CaptureError("no rank's step returns the loss (each returned None)")
+    out: list[dict[str, Any]] = [{"output": "loss", "placements": ["Replicate"] * len(mesh)}
+                                 if len(with_loss) == len(ranks) else
+                                 {"output": "loss", "layout": [f"loss@{r}" for r in with_loss]}]
     for p in seq_tr.no_grad:
         notes.append(f"parameter {p!r} requires grad but gets none in the sequential step: no gradient output")
     for p in seq_tr.grads:
         local, pl = placed[p]
-        for r, rk in sorted(ranks.items()):
-            if local not in rk.traced.grads:
+        holders = held.get(p, sorted(ranks))
+        for r in holders:
+            if local not in ranks[r].traced.grads:
                 raise CaptureError(
-                    f"the sequential step has a gradient for {p!r} but rank {r} has none for {local!r} (its .grad is "
-                    "None after the step: is the parameter used, does the loss reach it?)")
+                    f"the sequential step has a gradient for {p!r} but rank {r} has none for "
+                    f"{local!r} (its .grad is None after the step: is the parameter used, does the loss reach it?)")
+        if p in held:
+            out.append({"output": f"{p}.grad", "layout": [f"{local}.grad@{r}" for r in holders]})
+            continue
         derived = _grad_placement(ranks, local, mesh)
         if derived is not None:  # a DTensor gradient: placed as the program's autograd made it
             pl = derived

@@ -211,6 +211,8 @@ class Emitter:
             self.aten_ops[f"{qual}.{overload}"] += 1
         if qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.LEGACY_COLLECTIVES:
             return self._collective(n, qual, a, path)
+        if qual in aten.P2P:
+            return self._p2p(n, qual, a)
         if qual in aten.WAITS:
             return self.value(a["tensor"])
         if qual in aten.PRIM_IDENTITY:
@@ -378,6 +380,22 @@ class Emitter:
             val = val[i]
         return self.emit(op, [self.value(x)], attrs, val=val)
 
+    def _p2p(self, n: fx.Node, qual: str, a: dict[str, Any]) -> str:
+        """Legacy `dist.send` / `dist.recv`: the peer is a rank of the group; `recv_` writes
+        its buffer, whose later readers check_mutations rewired to read this node."""
+        if len(a["tensors"]) != 1:
+            raise self.fail(f"a {qual} of {len(a['tensors'])} tensors: refine sends one")
+        (x,) = a["tensors"]
+        group = self._group(a["process_group"])
+        peer = a["dst"] if qual == "c10d::send" else a["src"]
+        if not 0 <= peer < len(group):
+            raise self.fail(f"peer {peer} is not a rank of group {group}")
+        val = x.meta["val"]
+        if qual == "c10d::send":
+            return self.emit("send", [self.value(x)], {"peer": group[peer]}, val=val)
+        return self.emit("recv", [], {"peer": group[peer], "shape": [int(s) for s in val.shape],
+                                      "dtype": self.dtype(val.dtype)}, val=val)
+
     def _constant(self, n: fx.Node) -> str:
         t = getattr(self.gm, n.target)  # type: ignore[arg-type]
         if not isinstance(t, torch.Tensor):
@@ -422,6 +440,11 @@ def check_mutations(traced: Traced, where: str) -> None:
             continue
         schema = n.target._schema
         a = aten.bind(n.target, n.args, n.kwargs)
+        if schema.name == "c10d::recv_":  # writes its buffer and returns nothing: readers are rewired to it
+            (buf,) = a["tensors"]
+            mutations.append((n, buf, True))
+            storage[n], same[n] = storage[buf], same[buf]
+            continue
         if schema.name in aten.LEGACY_COLLECTIVES:
             written = a["tensors"] if a.get("tensors") is not None else [a["output_tensor"]]
             mutations += [(n, w, False) for w in written if isinstance(w, fx.Node)]
@@ -478,13 +501,13 @@ def convert(traced: Traced, registry: Registry, where: str) -> Converted:
             if qual in aten.LEGACY_COLLECTIVES:
                 tensors = aten.bind(n.target, n.args, n.kwargs).get("tensors")
                 em.output(n, (0, 0) if tensors is not None else (0,))
-            elif qual in aten.FUNCTIONAL_COLLECTIVES:
+            elif qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.P2P:
                 em.output(n, ())
     (out,) = [n for n in nodes if n.op == "output"]
     results = out.args[0]
     assert isinstance(results, (tuple, list))
-    outputs = [{"name": "loss", "ref": em.value(results[0]), "role": "loss"}]
-    for p, g in zip(traced.grads, results[1:], strict=True):
+    outputs = [{"name": "loss", "ref": em.value(results[0]), "role": "loss"}] if traced.has_loss else []
+    for p, g in zip(traced.grads, results[1:] if traced.has_loss else results, strict=True):
         outputs.append({"name": f"{p}.grad", "ref": em.value(g), "role": "gradient", "of": p})
     for o in outputs:
         if not isinstance(o["ref"], str):

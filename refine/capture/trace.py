@@ -43,7 +43,8 @@ _RUN = "_traced_step"  # the name of the function make_fx traces: user frames ar
 @dataclass
 class Step:
     """One training step to capture: `step(model, **inputs)` returns the loss after calling
-    `loss.backward()` (and whatever gradient synchronisation the program does)."""
+    `loss.backward()` (and whatever gradient synchronisation the program does). A rank that
+    computes no loss (a pipeline stage before the last) returns None."""
 
     model: nn.Module
     step: Callable[..., torch.Tensor]
@@ -58,6 +59,7 @@ class Traced:
     no_grad: list[str]  # parameters that require grad but got none
     annotations: dict[str, Any]  # graph input name -> refine.capture.annotate.Annotation
     grad_annotations: dict[str, Any] = field(default_factory=dict)  # parameter -> its gradient's (DTensor) placement
+    has_loss: bool = True  # False: the step returned None (the outputs are the gradients only)
 
 
 @contextmanager
@@ -173,6 +175,7 @@ def trace_step(step: Step, where: str) -> Traced:
             raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
     grads: list[str] = []
     no_grad: list[str] = []
+    has_loss: list[bool] = []
     local = Locals(params | buffers | inputs)  # DTensors are traced as local tensors (refine.capture.dtensor)
 
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
@@ -181,9 +184,13 @@ def trace_step(step: Step, where: str) -> Traced:
         state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
         with _reparametrize_module(model, state, tie_weights=True):
             loss = step.step(model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
-        if not isinstance(loss, torch.Tensor):
+        if loss is None and where != "the sequential step":
+            out = []  # a pipeline stage without the loss
+        elif not isinstance(loss, torch.Tensor):
             raise CaptureError(f"{where}: the step must return the loss tensor, got {type(loss).__name__}")
-        out = [local.loss(loss)]
+        else:
+            out = [local.loss(loss)]
+        has_loss.append(bool(out))
         for n, leaf in leaves.items():
             if leaf.grad is not None:
                 grads.append(n)
@@ -207,7 +214,7 @@ def trace_step(step: Step, where: str) -> Traced:
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
-                  local.grad_annotations)
+                  local.grad_annotations, has_loss[-1])
 
 
 def _why(e: Exception) -> str:
