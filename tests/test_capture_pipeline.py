@@ -17,9 +17,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
 
 from refine import capture
 from refine.build import write_case
+from refine.capture.errors import CaptureError
 from refine.evaluate import differential
 from refine.format import InputError, load_dist, load_seq
 from refine.opset import load_registry
@@ -165,3 +169,35 @@ def test_bad_layouts_are_refused(docs: tuple[dict[str, Any], dict[str, Any]], ed
         _load(docs, edit, tmp_path)
     assert e.value.file.endswith("dist.json")
     assert where in e.value.where and reason in str(e.value), str(e.value)
+
+
+def test_a_send_nobody_receives_is_refused_at_its_line() -> None:
+    """A stage whose send has no matching recv on its peer: capture stops (exit 2 from the
+    CLI), naming the send and its line, and writes nothing."""
+    def step(stage: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        loss = stage(x).sum()
+        loss.backward()
+        if dist.get_rank() == 0:
+            dist.send(loss.detach(), dst=1)  # rank 1 never receives it
+            return None
+        return loss.detach()
+
+    spec = capture.Spec(sequential=capture.Step(nn.Linear(4, 4), lambda m, x: _backward(m(x).sum()),
+                                                 {"x": torch.randn(2, 4)}),
+                        rank=lambda r: capture.Step(nn.Linear(4, 4), step, {"x": torch.randn(2, 4)}), world_size=2)
+    with pytest.raises(CaptureError) as e:
+        capture(spec)
+    text = str(e.value)
+    assert "rank 0, node 'send'" in text and "rank 1 has 0 matching recv(s) from rank 0" in text, text
+    assert line_of_test("dist.send(loss.detach(), dst=1)") in text
+
+
+def line_of_test(snippet: str) -> str:
+    path = Path(__file__)
+    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
+    return f"{path.name}:{n}"
+
+
+def _backward(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
