@@ -21,7 +21,8 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     """Among the ancestors of a failing output: the first node whose input is a partial sum
     some rank uses in a way not linear in its pieces (a bias added to a partial sum before
     the reduction, say); else the first node, in topological order, with no clean
-    relation; else the node producing the output, and, when every failing output is off by
+    relation (unless a failing output with a clean relation comes first); else the node
+    producing the output, and, when every failing output is off by
     one constant factor, the rank program line whose constant is wrong (`refine.factor`,
     found by evaluating edited rank programs: needs `dist`).
 
@@ -37,6 +38,12 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     unclean = sorted((n for n in ancestors if n in order and not inf.clean.get(n, True)), key=order.get)
     first = failing[0]
     limit = order[unclean[0]] if unclean else max(order.get(refs[r.name], -1) for r in failing)
+    # a failing output whose relation is clean is proven wrong right there: when it comes before
+    # every lost relation (a loss over the wrong tokens, then a backward pass the prover cannot
+    # follow), the divergence is at that output, not at the later node with no clean relation
+    proven_wrong = [order[refs[r.name]] for r in failing if refs[r.name] in order and inf.clean.get(refs[r.name], False)]
+    if unclean and proven_wrong and min(proven_wrong) < limit:
+        unclean, limit = [], min(proven_wrong)
     rank_node = rank_source = None
     wrong: tuple[str, str, str] | None = None
     region = {n for n in ancestors if order.get(n, limit + 1) <= limit}
