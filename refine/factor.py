@@ -199,7 +199,13 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         removes = lit is not None and lit[0] * c == 1
         ranked.append((not removes, min(near), key, members))
     ranked.sort(key=lambda x: (x[0], x[1], x[2]))
-    for _, (_, r, name), (source, _), members in ranked[:MAX_TRIES]:
+    tries = 0
+    for _, (_, r, name), (source, _), members in ranked:
+        if tries == MAX_TRIES:
+            break
+        if any(proven(q, n.name) for q, n in members):
+            continue
+        tries += 1
         edit = {(q, n.name) for q, n in members}
         graphs = {q: replace(g, nodes=[_edited(n, c) if (q, n.name) in edit else n for n in g.nodes])
                   for q, g in dist.ranks.items()}
@@ -207,8 +213,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             vals = eval_ranks(graphs, registry, rank_in)
         except (EvalError, RuntimeError, ValueError):
             continue
-        if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry) and \
-                not any(proven(q, n.name) for q, n in members):
+        if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry):
             node = dist.ranks[r].index()[name]
             assert isinstance(node, Node)
             if node.op in REDUCTIONS:
