@@ -78,7 +78,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
         else:
             results.append(_default(out.name, out.role, rel, prog, engine, registry))
     refines = all(r.ok for r in results)
-    culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry)
+    culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),

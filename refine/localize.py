@@ -5,7 +5,9 @@ from __future__ import annotations
 from fractions import Fraction
 
 from refine.expr import Term
-from refine.ir import Graph, Node
+from refine.factor import wrong_factor
+from refine.ir import Dist, Graph, Node, tensor_name
+from refine.normalize import lower
 from refine.opset import Registry
 from refine.prove import Inference
 from refine.relate import DistProgram
@@ -15,11 +17,14 @@ UNCLEAN = "no clean relation: no expression over rank tensors built from concat/
 
 
 def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inference, prog: DistProgram,
-             registry: Registry) -> Culprit:
+             registry: Registry, dist: Dist | None = None) -> Culprit:
     """Among the ancestors of a failing output: the first node whose input is a partial sum
     some rank uses in a way not linear in its pieces (a bias added to a partial sum before
     the reduction, say); else the first node, in topological order, with no clean
-    relation; else the node producing the output.
+    relation (unless a failing output with a clean relation comes first); else the node
+    producing the output, and, when every failing output is off by
+    one constant factor, the rank program line whose constant is wrong (`refine.factor`,
+    found by evaluating edited rank programs: needs `dist`).
 
     The first rule matters because such a misplaced op often leaves a clean relation (the
     bias plus the sum of partials is still a sum of rank tensors) that no rank holds; the
@@ -33,7 +38,14 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     unclean = sorted((n for n in ancestors if n in order and not inf.clean.get(n, True)), key=order.get)
     first = failing[0]
     limit = order[unclean[0]] if unclean else max(order.get(refs[r.name], -1) for r in failing)
+    # a failing output whose relation is clean is proven wrong right there: when it comes before
+    # every lost relation (a loss over the wrong tokens, then a backward pass the prover cannot
+    # follow), the divergence is at that output, not at the later node with no clean relation
+    proven_wrong = [order[refs[r.name]] for r in failing if refs[r.name] in order and inf.clean.get(refs[r.name], False)]
+    if unclean and proven_wrong and min(proven_wrong) < limit:
+        unclean, limit = [], min(proven_wrong)
     rank_node = rank_source = None
+    wrong: tuple[str, str, str] | None = None
     region = {n for n in ancestors if order.get(n, limit + 1) <= limit}
     misplaced = _misplaced(core, inf, prog, registry, region)
     copies = None if misplaced else _copies_summed(core, inf, prog, registry, region)
@@ -72,9 +84,15 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         made = next((t for k, t in sorted(prog.outputs.items()) if k.rpartition("@")[0] == first.local), None)
         if made is not None and made in prog.nodes:
             rank_node, rank_source = made, prog.nodes[made].source
+        wrong = _wrong_factor(seq, dist, registry, failing, inf, prog) if dist is not None else None
+        if wrong is not None:
+            rank_node, rank_source, edit = wrong
+            reason = (f"every failing output is off by one constant factor, and the rank programs scale by a wrong "
+                      f"constant at {rank_source}: {edit}. The sequential value of output {first.name!r} is "
+                      f"{first.relation} over rank tensors, but the rank outputs do not hold it: {first.detail}")
         if node is None:  # the output is an input of the sequential graph
-            return Culprit(target, "input", None, None, [], [], first.relation, reason, first.name,
-                           rank_node, rank_source)
+            return Culprit(target, "input", wrong[1] if wrong else None, None, [], [], first.relation, reason,
+                           first.name, rank_node, rank_source)
     user = node.origin or node.name
     user_node = next((n for n in seq.nodes if n.name == user), None)
     inputs = [(a, str(inf.relations[a])) for a in node.tensor_args()]
@@ -96,9 +114,35 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             if key.rpartition("@")[0] == first.name and n is not None:
                 rank_nodes.append(f"{tensor}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
                                   + (f" at {n.source}" if n.source else "") + f", computes {key}")
-    return Culprit(user, user_node.op if user_node else node.op, node.source, node.name, inputs,
+    # a wrong constant is the rank line's bug: name that line, and keep the sequential node's own
+    wrong_line = wrong[1] if wrong is not None else None
+    return Culprit(user, user_node.op if user_node else node.op, wrong_line or node.source, node.name, inputs,
                    sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name,
-                   rank_node, rank_source)
+                   rank_node, rank_source, node.source if wrong_line else None)
+
+
+def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
+                  prog: DistProgram) -> tuple[str, str, str] | None:
+    """`refine.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
+    it, its source line, what the edit was), or None. A rank node the relations prove equal
+    to a sequential tensor is right, so its line is not edited."""
+    find = prog.same.find
+    renames: dict[int, dict[str, str]] = {}
+
+    def core_name(r: int, name: str) -> str:
+        if r not in renames:
+            renames[r] = lower(dist.ranks[r], registry)[1]
+        return tensor_name(r, renames[r].get(name, name))
+
+    exact = {find(rel.attrs[0]) for n, rel in inf.relations.items() if rel.op == "D" and inf.clean.get(n, False)}
+    found = wrong_factor(seq, dist, registry, [r.name for r in failing],
+                         proven=lambda r, name: find(core_name(r, name)) in exact)
+    if found is None or not found.source:
+        return None
+    made = core_name(found.rank, found.node)
+    what = (f"{found.node}@{found.rank} ({made}) and the other nodes of that line, edited ({found.edit}), make "
+            f"every output right on random inputs, while the outputs are {found.factor} times what the ranks hold")
+    return made, found.source, what
 
 
 def _wrong_message(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, str | None, str] | None:

@@ -40,6 +40,7 @@ class Culprit:
     output: str  # the failing output that led here
     rank_node: str | None = None  # the rank node that went wrong, when one is known
     rank_source: str | None = None  # its source line
+    seq_source: str | None = None  # the sequential node's own line, when `source` is the rank line at fault
 
 
 @dataclass
@@ -87,8 +88,9 @@ def print_report(r: Report, console: Console | None = None) -> None:
         c = r.culprit
         lines = ["[bold red]DOES NOT REFINE[/]"]
         if c is not None:
-            where = f" at {c.source}" if c.source else ""
+            where = f" at {c.seq_source or c.source}" if c.seq_source or c.source else ""
             lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",
+                      *([f"the bug's line (rank program): {c.source}"] if c.seq_source else []),
                       f"reason: {c.reason}", f"failing output: {c.output}"]
             if c.rank_node:
                 lines.append(f"rank node where it goes wrong: {c.rank_node}"

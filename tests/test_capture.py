@@ -166,8 +166,13 @@ def test_ddp_mlp_refines_and_its_twins_do_not() -> None:
     # every relation is clean: the rank output itself is wrong, made by the gradient all-reduce
     assert sum_not_avg.culprit is not None
     assert sum_not_avg.culprit.rank_source == line_of(MODELS / "ddp_mlp.py", "dist.all_reduce(p.grad, op=op)")
+    # every output off by one factor (the world size): the flip of the reduction to AVG is the edit
+    # that repairs them all (refine.factor), so the culprit is the all-reduce's own line
+    assert sum_not_avg.culprit.source == sum_not_avg.culprit.rank_source
     twice = capture(DDP.make_case(bug="loss_averaged_twice")).check()
     assert not twice.refines and "loss" in failing(twice)
+    # the spare division (its 1/world times world is 1), not the AVG all-reduces that could absorb it
+    assert twice.culprit is not None and twice.culprit.source == line_of(MODELS / "ddp_mlp.py", "loss = loss / world")
 
 
 def test_dp_tp_mesh_of_subgroups() -> None:

@@ -154,12 +154,15 @@ def test_fsdp_reduce_scatter_sum_not_avg() -> None:
     assert failing(report) == FSDP_GRADS
     culprit = report.culprit
     assert culprit is not None
-    # every relation is clean: the culprit is the first failing gradient, at the line that uses
-    # fc1, and the rank nodes computing it are the reduce-scatters of the gather's backward
+    # every relation is clean and every gradient is world times too large: flipping the
+    # reduce-scatters to AVG repairs them all (refine.factor), so the culprit is their line; the
+    # sequential node of the first failing gradient keeps its line (fc1's), and the rank nodes
+    # computing it are those reduce-scatters of the gather's backward
     path = MODELS / "fsdp_mlp.py"
     assert culprit.output == "fc1.weight.grad"
-    assert culprit.source == line_of(path, "return self.fc2(F.gelu(self.fc1(x)))")
     scatter = line_of(path, "funcol.reduce_scatter_tensor(grad.contiguous()")
+    assert culprit.source == culprit.rank_source == scatter, report
+    assert culprit.seq_source == line_of(path, "return self.fc2(F.gelu(self.fc1(x)))")
     assert [n for n in culprit.rank_nodes if f"at {scatter}, computes fc1.weight.grad@" in n], culprit.rank_nodes
 
 

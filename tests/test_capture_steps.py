@@ -111,13 +111,16 @@ def test_accumulation_with_four_micro_batches_refines() -> None:
 
 
 @pytest.mark.parametrize("bug,wrong,snippet,output", [
-    # grads M times too small; the reported loss is right. Every sequential node has a clean
-    # relation, so the culprit is the node making the first failing gradient: fc1's weight
-    # gradient, at the model's forward line; the report shows the factor (2 * ...@0)
-    ("loss_divided_twice", DP_GRADS, "return self.fc2(F.gelu(self.fc1(x)))", "fc1.weight.grad"),
+    # grads M times too small; the reported loss is right. Every sequential relation is clean
+    # and every failing output is twice what the ranks hold (the report shows 2 * ...@0): the
+    # counterfactual edit of refine.factor names the line whose constant is wrong, the second
+    # division of the accumulated gradients (its 1/2 times 2 is 1: the line should not scale)
+    ("loss_divided_twice", DP_GRADS, "p.grad.div_(micro_batches)", "fc1.weight.grad"),
     # the mean over the global batch's count: grads and loss world times too small; the
-    # culprit is the sequential loss (the mean) of the step's loss line
-    ("mean_over_global_batch", {"loss"} | DP_GRADS, "loss = F.mse_loss(model(x), target)", "loss"),
+    # culprit is the micro-batch loss's division by the wrong count (its forward division
+    # and autograd's 1/(B*H) seed of it, on every rank and micro-batch, edited together)
+    ("mean_over_global_batch", {"loss"} | DP_GRADS,
+     'return F.mse_loss(model(x), target, reduction="sum") / (B * H)', "loss"),
 ])
 def test_accumulation_twins(bug: str, wrong: set[str], snippet: str, output: str) -> None:
     case = captured(ACCUM, world_size=2, micro_batches=2, bug=bug)
@@ -127,6 +130,9 @@ def test_accumulation_twins(bug: str, wrong: set[str], snippet: str, output: str
     assert failing(report) == wrong
     assert report.culprit is not None, report
     assert report.culprit.source == line_of(MODELS / "accum_mlp.py", snippet), report
+    assert report.culprit.rank_source == report.culprit.source, report
+    assert report.culprit.seq_source is not None  # the sequential node of the failing output keeps its line
+    assert report.culprit.output == output, report
     (out,) = [o for o in report.outputs if o.name == output]
     assert out.relation == f"2 * {output}@0"  # the sequential value is twice the ranks'
 

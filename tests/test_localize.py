@@ -4,6 +4,7 @@ sequential tensor reaches its users as an opaque leaf, so relations stay small."
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,65 @@ def test_an_unrelated_tensor_is_opaque_to_its_users() -> None:
                 # a user sees <a>, never a's own (growing) expression
                 assert f"<{a}>" in str(inf.relations[n.name]) or inf.clean[n.name], (n.name, a)
     assert all(len(str(inf.relations[n.name])) < 400 for n in core.nodes)
+
+
+# ---------------------------------------------------------------------------------------
+# a wrong constant factor, found by editing the rank programs (refine.factor)
+
+
+def _dp_mean(tmp: Path, extra: list[dict], reduce_op: str = "avg") -> tuple[object, object]:
+    """The mean of x (4 x 2), x sharded by rows on 2 ranks: each rank means its rows (f.py:1),
+    then `extra` nodes (reading and making "m"), then an all-reduce (f.py:9)."""
+    import json
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [4, 2], "role": "data"}],
+        "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": []},
+                  {"name": "m", "op": "mul", "args": ["s", 0.125], "shape": []}],
+        "outputs": [{"name": "loss", "ref": "m", "role": "loss"}]}}
+    nodes = [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:1"},
+             {"name": "m", "op": "mul", "args": ["s", 0.25], "shape": [], "source": "f.py:1"}]
+    last = "m"
+    for n in extra:
+        nodes.append({**n, "args": [last if a == "m" else a for a in n["args"]], "shape": []})
+        last = n["name"]
+    nodes.append({"name": "r", "op": "all_reduce", "args": [last], "shape": [], "source": "f.py:9",
+                  "attrs": {"reduce_op": reduce_op, "group": [0, 1]}})
+    rank = {"inputs": [{"name": "x", "shape": [2, 2], "role": "data"}], "nodes": nodes,
+            "outputs": [{"name": "loss", "ref": "r", "role": "loss"}]}
+    dist = {"format": "refine-graph", "version": 1, "kind": "distributed", "mesh": {"axes": [{"name": "dp", "size": 2}]},
+            "ranks": [{"rank": r, "graph": rank} for r in (0, 1)],
+            "relations": [{"from": "x", "placements": ["Shard(0)"]}],
+            "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]}]}
+    (tmp / "seq.json").write_text(json.dumps(seq))
+    (tmp / "dist.json").write_text(json.dumps(dist))
+    s = load_seq(tmp / "seq.json", REG)
+    return s, load_dist(tmp / "dist.json", REG, s)
+
+
+def test_a_wrong_factor_is_found_at_its_line(tmp_path: Path) -> None:
+    from refine.factor import wrong_factor
+
+    seq, dist = _dp_mean(tmp_path, [])
+    assert wrong_factor(seq, dist, REG, []) is None  # right: nothing to find
+    # divided a second time: the division's 1/2 times 2 is 1, preferred to flipping the AVG
+    # (which absorbs the factor as well) though the all-reduce is nearer the output
+    seq, dist = _dp_mean(tmp_path, [{"name": "d", "op": "div", "args": ["m", 2], "source": "f.py:5"}])
+    found = wrong_factor(seq, dist, REG, ["loss"])
+    assert found is not None and (found.source, found.node, found.factor) == ("f.py:5", "d", 2), found
+    # a wrong literal that is not a spare division: the mean's 1/4 should be 1/2 (no flip of
+    # the AVG can help: the factor is 4, not the world size)
+    seq, dist = _dp_mean(tmp_path, [{"name": "d", "op": "mul", "args": ["m", 0.25], "source": "f.py:5"}])
+    found = wrong_factor(seq, dist, REG, ["loss"])
+    assert found is not None and (found.source, found.factor) == ("f.py:5", 4), found
+    # SUM for AVG: no literal line repairs it alone but the reduction's
+    seq, dist = _dp_mean(tmp_path, [], reduce_op="sum")
+    found = wrong_factor(seq, dist, REG, ["loss"])
+    assert found is not None and (found.source, found.node, found.factor) == ("f.py:9", "r", Fraction(1, 2)), found
+    # not a constant multiple (a square): nothing is blamed
+    seq, dist = _dp_mean(tmp_path, [{"name": "d", "op": "mul", "args": ["m", "m"], "source": "f.py:5"}])
+    assert wrong_factor(seq, dist, REG, ["loss"]) is None
+    # a line whose node the checker proved right is never blamed: the AVG flip is next
+    seq, dist = _dp_mean(tmp_path, [{"name": "d", "op": "div", "args": ["m", 2], "source": "f.py:5"}])
+    found = wrong_factor(seq, dist, REG, ["loss"], proven=lambda r, n: n == "d")
+    assert found is not None and (found.source, found.node) == ("f.py:9", "r"), found

@@ -1,0 +1,228 @@
+"""Localizing a wrong constant factor by counterfactual evaluation.
+
+When every failing output holds `c` times what its expectation wants (the report's relation
+reads `2 * fc1.weight.grad@0`), the rank program computes the right thing up to a constant:
+somewhere it scales by a wrong literal (a loss divided twice, a mean over the wrong count).
+The symbolic relations cannot say where, since every scale is exact and clean. This module
+tries edits of the rank program instead: each *constant factor* a rank program line applies
+(a `mul`/`div` by a number literal, a `full` constant such as autograd's seed of `loss / M`,
+the 1/n of an AVG reduction) is multiplied by `c` at every node that line makes on every rank
+(a source line's literal is one constant however often it runs: each rank, each unrolled
+micro-batch, forward and backward), and the rank programs are evaluated on random inputs
+consistent with the input relations. The nearest such line to the failing outputs whose
+edit makes every output right is the culprit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from fractions import Fraction
+
+import torch
+
+from refine.evaluate import (
+    EvalError,
+    close,
+    eval_graph,
+    eval_ranks,
+    eval_term,
+    expected_terms,
+    instantiate,
+    random_inputs,
+    valuation,
+)
+from refine.ir import Dist, Graph, Node, case_symbols
+from refine.opset import Registry
+
+MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+@dataclass
+class WrongFactor:
+    rank: int
+    node: str  # the rank program's (user-level) node nearest the failing outputs on that line
+    source: str
+    factor: Fraction  # the output's sequential value over what the rank outputs hold
+    edit: str  # what the counterfactual changed, for the report
+    outputs: list[str]  # the failing outputs
+
+
+def _rational(v: float) -> Fraction:
+    r = Fraction(v).limit_denominator(10**6)
+    return r if math.isclose(float(r), v, rel_tol=1e-9, abs_tol=0.0) else Fraction(v)
+
+
+def _ratio(want: torch.Tensor, got: torch.Tensor) -> Fraction | None:
+    """The constant c with want == c * got, if there is one (and got is not all zero)."""
+    if want.shape != got.shape or not want.is_floating_point():
+        return None
+    w, g = want.flatten(), got.flatten()
+    gg = float(g @ g)
+    if gg == 0.0 or not math.isfinite(gg):
+        return None
+    c = _rational(float(w @ g) / gg)
+    return c if c != 0 and close(want, float(c) * got) else None
+
+
+def _literal_factor(n: Node) -> tuple[Fraction, int] | None:
+    """The factor a node scales by and the position of its literal: `mul` by a number, `div`
+    by a number (position -1: the value of a `full`)."""
+    nums = [(i, a) for i, a in enumerate(n.args) if not isinstance(a, str)]
+    if n.op == "full":
+        v = float(n.attrs.get("value", 0.0))
+        return (_rational(v), -1) if v != 0.0 and math.isfinite(v) else None
+    if len(nums) != 1 or len(n.tensor_args()) != 1 or isinstance(nums[0][1], bool):
+        return None
+    i, k = nums[0]
+    if not math.isfinite(float(k)) or float(k) == 0.0:
+        return None
+    if n.op == "mul":
+        return _rational(float(k)), i
+    if n.op == "div" and i == 1:
+        return 1 / _rational(float(k)), i
+    return None
+
+
+def _edited(n: Node, c: Fraction) -> Node:
+    """The node with its constant factor multiplied by c."""
+    if n.op in REDUCTIONS:
+        return replace(n, attrs={**n.attrs, "reduce_op": "sum" if n.attrs.get("reduce_op") == "avg" else "avg"})
+    lit = _literal_factor(n)
+    assert lit is not None
+    f, i = lit
+    if i < 0:
+        return replace(n, attrs={**n.attrs, "value": float(f * c)})
+    args = list(n.args)
+    args[i] = float(f * c) if n.op == "mul" else float(1 / (f * c))
+    return replace(n, args=args)
+
+
+def _outputs_ok(seq_vals: Mapping[str, torch.Tensor], seq: Graph, dist: Dist, outs: Mapping[str, torch.Tensor],
+                registry: Registry) -> bool:
+    for o in seq.outputs:
+        for t in expected_terms(dist, o.name, set(outs)):
+            try:
+                if not close(eval_term(t, registry, outs), seq_vals[o.ref]):
+                    return False
+            except Exception:  # noqa: BLE001 - an ill-shaped placement is a mismatch
+                return False
+    return True
+
+
+def _rank_outputs(graphs: Mapping[int, Graph], vals: Mapping[int, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {f"{o.name}@{r}": vals[r][o.ref] for r, g in graphs.items() for o in g.outputs}
+
+
+def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
+                 proven: Callable[[int, str], bool] = lambda r, n: False, seed: int = 0) -> WrongFactor | None:
+    """The rank program line whose constant factor, multiplied by the one constant `c` every
+    failing output is off by, makes every output right; None when the failing outputs are
+    not all off by one constant, or no single line's edit repairs them.
+
+    `proven(rank, node)` says the checker proved that rank node equal to a sequential tensor:
+    a line with such a node computes a right value there, so its constant is not the wrong
+    one (scaling the loss's derivative would also repair gradients that the program's
+    declared placements double, but that derivative is the sequential one)."""
+    try:
+        symbols = case_symbols(seq, dist)
+        if symbols:
+            seq, dist = instantiate(seq, dist, valuation(symbols, seed))
+        seq_in, rank_in = random_inputs(seq, dist, seed, registry)
+        seq_vals = eval_graph(seq, registry, seq_in)
+        rank_vals = eval_ranks(dist.ranks, registry, rank_in)
+    except (EvalError, RuntimeError, ValueError, KeyError):
+        return None
+    outs = _rank_outputs(dist.ranks, rank_vals)
+    refs = {o.name: o.ref for o in seq.outputs}
+    factors: set[Fraction] = set()
+    roots: dict[int, set[str]] = {r: set() for r in dist.ranks}  # failing rank outputs' tensors
+    for name in failing:
+        terms = expected_terms(dist, name, set(outs))
+        if not terms or name not in refs:
+            return None
+        for t in terms:
+            try:
+                got = eval_term(t, registry, outs)
+            except Exception:  # noqa: BLE001 - not a constant multiple, then
+                return None
+            c = _ratio(seq_vals[refs[name]], got)
+            if c is None:
+                return None
+            factors.add(c)
+            for leaf in t.leaves():
+                local, _, r = leaf.rpartition("@")
+                roots[int(r)].add(dist.ranks[int(r)].output(local).ref)
+    if len(factors) != 1 or Fraction(1) in factors:
+        return None
+    (c,) = factors
+
+    # distance (in ops) of each rank node from the failing outputs it feeds
+    dist_of: dict[tuple[int, str], int] = {}
+    for r, g in dist.ranks.items():
+        idx = g.index()
+        frontier, d = sorted(roots[r]), 0
+        while frontier:
+            nxt = []
+            for x in frontier:
+                if (r, x) in dist_of:
+                    continue
+                dist_of[(r, x)] = d
+                n = idx.get(x)
+                if isinstance(n, Node):
+                    nxt.extend(n.tensor_args())
+            frontier, d = nxt, d + 1
+
+    # the candidate lines: (source, what the line scales by) -> its nodes on every rank
+    groups: dict[tuple[str, str], list[tuple[int, Node]]] = {}
+    for r, g in sorted(dist.ranks.items()):
+        for n in g.nodes:
+            if not n.source:
+                continue
+            if n.op in REDUCTIONS and n.attrs.get("reduce_op") in ("sum", "avg"):
+                size = len(n.attrs.get("group", ())) or len(dist.ranks)
+                flip = Fraction(size) if n.attrs["reduce_op"] == "avg" else Fraction(1, size)
+                if flip == c:
+                    groups.setdefault((n.source, f"{n.op} {n.attrs['reduce_op']}"), []).append((r, n))
+            elif (lit := _literal_factor(n)) is not None and lit[0] != 1:  # a 1 scales nothing (a backward seed)
+                groups.setdefault((n.source, str(lit[0])), []).append((r, n))
+    ranked = []
+    for key, members in groups.items():
+        near = [(dist_of[(r, n.name)], r, n.name) for r, n in members if (r, n.name) in dist_of]
+        if not near:
+            continue  # the line does not feed a failing output
+        lit = _literal_factor(members[0][1])
+        # a factor the fix makes 1 says the line should not scale at all (a second division):
+        # the most specific explanation, tried before the lines whose factor is only off
+        removes = lit is not None and lit[0] * c == 1
+        ranked.append((not removes, min(near), key, members))
+    ranked.sort(key=lambda x: (x[0], x[1], x[2]))
+    tries = 0
+    for _, (_, r, name), (source, _), members in ranked:
+        if tries == MAX_TRIES:
+            break
+        if any(proven(q, n.name) for q, n in members):
+            continue
+        tries += 1
+        edit = {(q, n.name) for q, n in members}
+        graphs = {q: replace(g, nodes=[_edited(n, c) if (q, n.name) in edit else n for n in g.nodes])
+                  for q, g in dist.ranks.items()}
+        try:
+            vals = eval_ranks(graphs, registry, rank_in)
+        except (EvalError, RuntimeError, ValueError):
+            continue
+        if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry):
+            node = dist.ranks[r].index()[name]
+            assert isinstance(node, Node)
+            if node.op in REDUCTIONS:
+                desc = f"{node.op} with {'SUM' if node.attrs['reduce_op'] == 'avg' else 'AVG'} instead of " \
+                       f"{node.attrs['reduce_op'].upper()}"
+            else:
+                lit = _literal_factor(node)
+                assert lit is not None
+                desc = f"its factor {lit[0]} times {c} = {lit[0] * c}"
+            return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
+                               sorted(failing))
+    return None
