@@ -24,7 +24,8 @@ Permute/unpermute:
   dim)` (combine / unpermute, and the backward of `gather`) lowers to `x + scatter_acc(...)`,
   only the accumulation when x is the constant 0. Positions split any way: a concat of (index,
   src) on the scattered dim is the Sum of the pieces' accumulations; on another dim, the concat
-  of them. Linear in src (Sum and Scale pass through).
+  of them. Linear in src (a Scale passes through; a Sum of srcs is not split: no model has
+  needed it).
 
 `gather` (the permute, and the backward of scatter_acc) lives in rules/indexing.py.
 """
@@ -38,7 +39,7 @@ import torch
 from refine import dims
 from refine.ir import Arg, Node, TensorType
 from refine.normalize import Builder
-from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.opset import Op, Rule, ShapeError, rewrite, rule
 
 INDEX_DTYPES = ("int64", "int32")
 
@@ -204,11 +205,6 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("slice-into-scatter_acc", ["(= e (slice (scatter_acc i v g sh) d s f))", "(!= d g)",
                                         "(= (size i d) (vec-get sh d))"],
              ["(union e (scatter_acc (slice i d s f) (slice v d s f) g (vec-set sh d (d- f s))))"]),
-        rule("scatter_acc-sum", ["(= e (scatter_acc i (Sum ms) g sh))"],
-             ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScatterAccBy\" i g sh) ms)))"]),
-        rewrite("scatter-acc-by", "(ScatterAccBy i g sh v)", "(scatter_acc i v g sh)"),
         rewrite("scatter_acc-scale", "(scatter_acc i (Scale v r) g sh)", "(Scale (scatter_acc i v g sh) r)"),
     ]
 
-
-DECLS = [f"(constructor ScatterAccBy (T i64 IV T) T :cost {HELPER})"]
