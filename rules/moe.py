@@ -27,7 +27,9 @@ Permute/unpermute:
   of them. Linear in src (a Scale passes through; a Sum of srcs is not split: no model has
   needed it).
 
-`gather` (the permute, and the backward of scatter_acc) lives in rules/indexing.py.
+`gather` (the permute, and the backward of scatter_acc) lives in rules/indexing.py;
+`index_select` (a permute along one dim by a 1-d index) lowers to it. `index_add` arrives as
+an accumulating `index_put` (rules/indexing.py) from aten's decompositions.
 """
 
 from __future__ import annotations
@@ -117,6 +119,27 @@ def _scatter_add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: Tensor
     return acc if _is_zero(b, x) else b.emit("Sum", [x, acc], {}, out)
 
 
+def _index_select_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    x, idx = ins
+    d = attrs["dim"]
+    _dim_ok(x, d, "index_select")
+    if idx.ndim != 1 or idx.dtype not in INDEX_DTYPES:
+        raise ShapeError(f"index_select index must be a 1-d integer tensor, got {idx.dtype} {list(idx.shape)}")
+    s = list(x.shape)
+    s[d] = idx.shape[0]
+    return TensorType(tuple(s), x.dtype)
+
+
+def _index_select(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    """x.index_select(dim, idx) is a gather along dim with idx broadcast over the other dims."""
+    x, idx = args
+    assert isinstance(x, str) and isinstance(idx, str)
+    d, n = attrs["dim"], b.type(idx).shape[0]
+    line = tuple(n if i == d else 1 for i in range(out.ndim))
+    index = b.broadcast(b.view(idx, line), out.shape)
+    return b.emit("gather", [x, index], {"dim": d}, out)
+
+
 def _same_shape_egg(op: str, args: str) -> str:
     return f"(rule ((= e ({op} x {args})) (= s (shape x))) ((set (shape e) s)))"
 
@@ -148,6 +171,9 @@ OPS = [
     Op("scatter_add", 3, _scatter_add_shape, (("dim", "dim"),),
        ref=lambda x, idx, src, dim: torch.scatter_add(x, dim, idx.long(), src), decompose=_scatter_add,
        doc="aten.scatter_add: args self, index, src; lowers to self + scatter_acc"),
+    Op("index_select", 2, _index_select_shape, (("dim", "dim"),),
+       ref=lambda x, idx, dim: torch.index_select(x, dim, idx.long()), decompose=_index_select,
+       doc="aten.index_select: args self, index (1-d); a gather with the index broadcast"),
 ]
 
 _OPAQUE = (("topk_values", "k g"), ("topk_indices", "k g"), ("sort_values", "g"), ("sort_indices", "g"))

@@ -222,3 +222,41 @@ def test_an_unstable_sort_is_refused() -> None:
     with pytest.raises(CaptureError, match="stable=True"):
         capture(_spec(stable=False))
     assert check(*capture(_spec(stable=True))).refines
+
+
+class _Permuter(nn.Module):
+    """Rows (tokens) sharded; every row's features permuted by a replicated order
+    (index_select along dim 1 by argsort of a parameter) and weighted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = nn.Parameter(torch.randn(6))
+        self.w = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        perm = torch.argsort(self.order, stable=True)
+        return x.index_select(1, perm) * self.w
+
+
+def _permuter_step(model: nn.Module, x: torch.Tensor, world: int = 1) -> torch.Tensor:
+    loss = model(x).pow(2).sum() / (world * x.shape[0])
+    loss.backward()
+    if world > 1:
+        torch.distributed.all_reduce(model.w.grad)
+        return torch.distributed._functional_collectives.all_reduce(loss.detach(), "sum", torch.distributed.group.WORLD)
+    return loss
+
+
+def test_index_select_permute_under_data_parallelism_refines() -> None:
+    torch.manual_seed(0)
+    model, x = _Permuter(), torch.randn(4, 6)
+
+    def rank(r: int) -> capture.Step:
+        return capture.Step(model, lambda m, **kw: _permuter_step(m, **kw, world=2),
+                            {"x": capture.shard(x[2 * r:2 * r + 2], 0, "dp")})
+
+    case = capture(capture.Spec(sequential=capture.Step(model, _permuter_step, {"x": x}), rank=rank,
+                                world_size=2, mesh={"dp": 2}, name="permuter"))
+    assert any(n["op"] == "index_select" for n in case.seq_doc["graph"]["nodes"])
+    report = case.check()
+    assert report.refines, report
