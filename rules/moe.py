@@ -167,7 +167,7 @@ OPS = [
        doc="aten.scatter.src: args self, index, src (index and src of one shape); src written at index"),
     Op("scatter_acc", 2, _scatter_acc_shape, (("dim", "dim"), ("shape", "shape")), ref=_ref_scatter_acc,
        core=True, egglog_shape="(rule ((= e (scatter_acc i v g s))) ((set (shape e) s)))",
-       doc="zeros(shape) with src added at index along dim (duplicates add up)", linear="first"),
+       doc="zeros(shape) with src added at index along dim (duplicates add up; linear in src)"),
     Op("scatter_add", 3, _scatter_add_shape, (("dim", "dim"),),
        ref=lambda x, idx, src, dim: torch.scatter_add(x, dim, idx.long(), src), decompose=_scatter_add,
        doc="aten.scatter_add: args self, index, src; lowers to self + scatter_acc"),
