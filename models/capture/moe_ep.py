@@ -16,7 +16,9 @@ expert's routed tokens first, in token order (`sort` of the key `(1 - routed) * 
 the keys are distinct, so the order is unique); the expert's buffer slot j holds the token at
 `perm[j]` (`gather`), zero past the routed ones. Combining is the inverse: each slot's output,
 weighted by its token's gate weight (0 for padding), is added back at its token (`scatter_add`)
-and summed over the experts. No cumulative sums, no data-dependent sizes.
+and summed over the experts. No cumulative sums, no data-dependent sizes. With C = S nothing is
+dropped, so each token's output does not depend on the grouping (the groups only fix where its
+slots are): the layer is the usual dropless top-2 MoE.
 
 **Expert parallelism.** Each of the W ranks holds S tokens (one group: the data is sharded over
 the tokens, data parallel) and E/W experts (the stacked expert parameters Shard(0) over "ep";
