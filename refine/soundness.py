@@ -241,6 +241,19 @@ class SeedGen:
                 idx[j] = r.randint(1, x[j])
             attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
             return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
+        if name in ("topk_values", "topk_indices"):
+            d = r.randrange(len(x))
+            return [(x, "f", 0)], (r.randint(1, x[d]), d)
+        if name in ("scatter_src", "scatter_acc"):  # index and src of one shape, no larger than the target
+            x = self.dims(r.choice([1, 2, 2, 3]))
+            d = r.randrange(len(x))
+            idx = list(x)
+            idx[d] = r.choice([1, 2, 3])
+            if len(x) > 1 and r.random() < 0.25:
+                j = r.choice([i for i in range(len(x)) if i != d])
+                idx[j] = r.randint(1, x[j])
+            args = [(tuple(idx), "i", x[d]), (tuple(idx), "f", 0)]
+            return ([(x, "f", 0)] + args, (d,)) if name == "scatter_src" else (args, (d, x))
         if name == "index_put_acc":
             idx = self.dims(r.choice([1, 1, 2]))
             trailing = self.dims(r.choice([0, 1, 1, 2]))
@@ -296,6 +309,7 @@ class SeedGen:
 
     EXTRA = {"matmul": 4, "embedding": 2, "softmax": 2, "log_softmax": 2, "rmax": 2, "rsum": 2,
              "layer_norm_c": 3, "rms_norm_c": 3, "gather": 2, "scatter_value": 2, "index_put_acc": 2,
+             "scatter_src": 2, "scatter_acc": 3, "topk_values": 2, "topk_indices": 2,
              "layer_norm_rstd_c": 2}
     FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
 

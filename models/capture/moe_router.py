@@ -4,8 +4,8 @@
     refine check case/seq.json case/dist.json
 
 The sequential model is LayerNorm -> a mixture of `experts` small MLPs with an MSE loss. The
-gate is dense (softmax over all experts, no top-k: top-k routing is data dependent, so a
-trace of it would be a guess), and the output is the softmax-weighted sum of every expert's
+gate is dense (softmax over all experts, no top-k: models/capture/moe_ep.py routes top-k with
+static-capacity dispatch), and the output is the softmax-weighted sum of every expert's
 output. The experts' weights are stacked along a leading expert dim.
 
 Each rank keeps the LayerNorm and the gate replicated and holds experts

@@ -347,6 +347,34 @@ def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return pieces[0] if len(pieces) == 1 else em.emit("concat", pieces, {"dim": d})
 
 
+def _topk(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    """topk(x, k, dim, largest, sorted): output 0 the values, 1 the indices (rules/moe.py)."""
+    if not a.get("largest", True) or not a.get("sorted", True):
+        raise em.fail("topk with largest=False or sorted=False: refine's topk is the k largest, sorted")
+    x = em.value(a["self"])
+    attrs = {"k": int(a["k"]), "dim": _dim(a["dim"], len(em.type(x).shape))}
+    return em.emit("topk_indices" if index else "topk_values", [x], attrs, index=index)
+
+
+def _sort(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    """sort(x, stable=True, dim, descending=False): output 0 the values, 1 the permutation."""
+    if not a.get("stable") or a.get("descending"):
+        raise em.fail("sort without stable=True, or descending: the order of ties would be unspecified "
+                      "(refine's sort is a stable ascending sort)")
+    x = em.value(a["self"])
+    attrs = {"dim": _dim(a["dim"], len(em.type(x).shape))}
+    return em.emit("sort_indices" if index else "sort_values", [x], attrs, index=index)
+
+
+def _scatter_src(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """scatter.src(self, dim, index, src): refine's scatter_src (rules/moe.py)."""
+    if a.get("reduce") is not None:
+        raise em.fail(f"scatter with reduce={a['reduce']!r} is not supported")
+    x = em.value(a["self"])
+    args = [x, em.value(a["index"]), em.value(a["src"])]
+    return em.emit("scatter_src", args, {"dim": _dim(a["dim"], len(em.type(x).shape))})
+
+
 # base name -> handler; MULTI handlers take the output index
 SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
@@ -355,8 +383,9 @@ SPECIAL: dict[str, Handler] = {
     "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
     "index": _index, "constant_pad_nd": _constant_pad_nd,
 }
-SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max}
+SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max, ("scatter", "src"): _scatter_src}
 MULTI: dict[str, Handler] = {
     "split": _split, "split_with_sizes": _split, "unbind": _split,
     "native_layer_norm": _native_layer_norm, "var_mean": _var_mean, "max": _max_dim,
+    "topk": _topk, "sort": _sort,
 }
