@@ -221,8 +221,42 @@ def _masked_gather(local: str) -> str:
     return f"(where_t {m} (full 0.0 si) (gather w (where_t {m} (full 0.0 si) {local}) g))"
 
 
+PREDICATES = ("lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t")
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
-    return [
+    # a mask computed on a viewed target (nll_loss_backward unsqueezes it first) is the
+    # view of the mask on the target: views come out of comparisons with a constant and of
+    # a where between a broadcast scalar and a constant
+    views = [rewrite(f"{op}-view-const", f"({op} (view x s) (full v s))",
+                     f"(view ({op} x (full v (shape x))) s)") for op in PREDICATES]
+    views += [
+        rule("where-view-view-const", ["(= e (where_t (view c s) (view x s) (full v s)))", "(= sc (shape c))",
+                                       "(= sc (shape x))"],
+             ["(union e (view (where_t c x (full v sc)) s))"]),
+        rule("where-view-scalar-const", ["(= e (where_t (view c s) (expand x s) (full v s)))", "(= (ndim x) 0)",
+                                         "(= sc (shape c))"],
+             ["(union e (view (where_t c (expand x sc) (full v sc)) s))"]),
+        rule("where-view-const-scalar", ["(= e (where_t (view c s) (full v s) (expand x s)))", "(= (ndim x) 0)",
+                                         "(= sc (shape c))"],
+             ["(union e (view (where_t c (full v sc) (expand x sc)) s))"]),
+    ]
+    # a rank's one-hot of its masked local target is its slice of the one-hot over the whole
+    # vocab (nll_loss_backward's scatter): the scatter of one value per row into zeros
+    piece = "(where_t (expand m shp) (full 0.0 shp) (scatter_value (full 0.0 shp) LOCAL g v))"
+    mask = "(= m (logical_or_t (lt_t i (full sf si)) (ge_t i (full ef si))))"
+    common = ["(= big (scatter_value (full 0.0 shb) i g v))", "(= si (shape i))", "(= (vec-get si g) 1)",
+              "(= (vec-get shp g) (- (to-i64 ef) (to-i64 sf)))", "(= shp (vec-set shb g (vec-get shp g)))",
+              "(>= (to-i64 sf) 0)", "(<= (to-i64 ef) (vec-get shb g))", "(= sf (to-f64 (to-i64 sf)))",
+              "(= ef (to-f64 (to-i64 ef)))"]
+    onehot = [
+        rule("one-hot-piece-first", [f"(= e {piece.replace('LOCAL', '(where_t m (full 0.0 si) i)')})", mask, "(= sf 0.0)", *common],
+             ["(union e (slice big g (to-i64 sf) (to-i64 ef)))"], symbolic=False),
+        rule("one-hot-piece-shifted", [f"(= e {piece.replace('LOCAL', '(where_t m (full 0.0 si) (Sum (multiset-of i (full nsf si))))')})", mask,
+                                       "(= nsf (neg sf))", "(> sf 0.0)", *common],
+             ["(union e (slice big g (to-i64 sf) (to-i64 ef)))"], symbolic=False),
+    ]
+    return views + onehot + [
         # a lookup along a concat's own dim: the sum of the pieces' masked lookups
         rewrite("gather-vocab-split", "(gather (cat a b g) i g)", "(GatherOff (cat a b g) i g (dim 0))"),
         rule("gather-off-split", ["(= e (GatherOff (cat a b g) i g s))", "(= k (size a g))"],
