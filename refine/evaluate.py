@@ -104,6 +104,15 @@ def _emb_rows(w: Tensor, ids: Tensor, s: int) -> Tensor:
     return out.masked_fill(~inside.unsqueeze(-1), 0.0)
 
 
+def _gather_off(x: Tensor, i: Tensor, g: int, s: int) -> Tensor:
+    """Positions [s, s + n) along g of a gather (rules/loss.py): indices in range look up
+    position index - s of x, the others give 0."""
+    i = i.long()
+    inside = (i >= s) & (i < s + x.shape[g])
+    local = torch.where(inside, i - s, torch.zeros_like(i))
+    return torch.gather(x, g, local).masked_fill(~inside, 0.0)
+
+
 def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
     """Helper constructor name -> python function of its egglog arguments, in declaration
     order (tensors and plain values)."""
@@ -125,6 +134,7 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
         "RmeanBy": lambda d, x: ref("rmean")(x, dim=d),
         "IndexPutBy": lambda i, sh, v: ref("index_put_acc")(i, v, shape=tuple(sh)),
         "EmbRows": _emb_rows,
+        "GatherOff": _gather_off,
     }
 
 

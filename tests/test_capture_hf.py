@@ -84,7 +84,7 @@ def test_capture_follows_transformers_plan(llama: tuple[capture.Case, float]) ->
     assert {g.split(":")[0] for g in case.guesses} == {"input_ids", "labels", "attention_mask", "position_ids"}
     assert {o["name"] for o in case.seq_doc["graph"]["outputs"]} == {"loss"} | {f"{p}.grad" for p in PARAMS}
     ops = {n["op"] for n in case.seq_doc["graph"]["nodes"]}
-    assert {"cast", "_log_softmax", "embedding", "rsqrt", "sigmoid", "cos", "sin"} <= ops
+    assert {"cast", "log_softmax_stable", "embedding", "rsqrt", "sigmoid", "cos", "sin"} <= ops
     rank1 = case.dist_doc["ranks"][1]["graph"]["nodes"]
     reduces = [n for n in rank1 if n["op"] == "all_reduce"]
     gathers = [n for n in rank1 if n["op"] == "all_gather"]

@@ -36,6 +36,7 @@ DECOMPOSITIONS = core_aten_decompositions()
 ALIASES: dict[str, str] = {
     "view": "reshape",
     "expand": "expand_as_shape",
+    "_log_softmax": "log_softmax_stable",  # written out max-shifted (rules/loss.py)
 }
 
 # refine op -> {aten argument name: refine attribute name}
@@ -375,17 +376,41 @@ def _scatter_src(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("scatter_src", args, {"dim": _dim(a["dim"], len(em.type(x).shape))})
 
 
+def _nll_attrs(em: Emitter, a: dict[str, Any]) -> dict[str, Any]:
+    if a.get("weight") is not None:
+        raise em.fail("nll_loss with class weights: refine's nll ops take none")
+    return {"reduction": int(a["reduction"]), "ignore_index": int(a["ignore_index"])}
+
+
+def _nll_loss_forward(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+    """Output 0: the loss; 1: the total weight (the count of targets not ignored)."""
+    op = "nll_loss_forward" if index == 0 else "nll_loss_total_weight"
+    return em.emit(op, [em.value(a["self"]), em.value(a["target"])], _nll_attrs(em, a), index=index)
+
+
+def _nll_loss_backward(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    args = [em.value(a["grad_output"]), em.value(a["self"]), em.value(a["target"]), em.value(a["total_weight"])]
+    return em.emit("nll_loss_backward", args, _nll_attrs(em, a))
+
+
+def _log_softmax_backward_data(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    out = em.value(a["output"])
+    return em.emit("_log_softmax_backward_data", [em.value(a["grad_output"]), out],
+                   {"dim": _dim(a["dim"], len(em.type(out).shape))})
+
+
 # base name -> handler; MULTI handlers take the output index
 SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
     "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
-    "index": _index, "constant_pad_nd": _constant_pad_nd,
+    "index": _index, "constant_pad_nd": _constant_pad_nd, "nll_loss_backward": _nll_loss_backward,
+    "_log_softmax_backward_data": _log_softmax_backward_data,
 }
 SPECIAL_OVERLOAD: dict[tuple[str, str], Handler] = {("max", "default"): _max, ("scatter", "src"): _scatter_src}
 MULTI: dict[str, Handler] = {
     "split": _split, "split_with_sizes": _split, "unbind": _split,
     "native_layer_norm": _native_layer_norm, "var_mean": _var_mean, "max": _max_dim,
-    "topk": _topk, "sort": _sort,
+    "topk": _topk, "sort": _sort, "nll_loss_forward": _nll_loss_forward,
 }
