@@ -368,8 +368,23 @@ class EntangleEmitter(Emitter):
         return self.emit("reshape", [g], {"shape": [shape[0]]})
 
     def _index_put(self, n: fx.Node, a: dict[str, Any], path: tuple[int, ...]) -> Any:
-        """x[mask] = v with a bool mask over x's leading dims and one value: where(mask, v, x)."""
+        """x[mask] = v with a bool mask over x's leading dims and one value: where(mask, v, x).
+        x[arange(n), ids] = v (one entry per row, the cross-entropy backward): where the
+        column equals the row's id, v; elsewhere x."""
         idx = a["indices"]
+        if len(idx) == 2 and all(isinstance(i, fx.Node) for i in idx) and not a.get("accumulate"):
+            x = self.value(a["self"])
+            shape = tuple(self.type(x).shape)
+            first, ids = idx
+            if len(shape) != 2 or not _is_arange(first, shape[0]) or tuple(ids.meta["val"].shape) != shape[:1]:
+                raise self.fail("an index_put with two index tensors that is not x[arange(n), ids] = v on a 2-d x")
+            col = self.emit("reshape", [self.value(ids)], {"shape": [shape[0], 1]}, final=False, suffix="ids")
+            cols = self.emit("arange", [], {"end": shape[1]}, final=False, suffix="cols", dtype="int64")
+            hit = self.emit("eq", [col, cols], {}, final=False, suffix="hit")
+            v = self.value(a["values"])
+            if isinstance(v, str) and self.type(v).shape == shape[:1]:
+                v = self.emit("reshape", [v], {"shape": [shape[0], 1]}, final=False, suffix="values")
+            return self.emit("where", [hit, v, x], {})
         if len(idx) != 1 or not isinstance(idx[0], fx.Node) or idx[0].meta["val"].dtype != torch.bool:
             return None
         if a.get("accumulate"):
