@@ -706,6 +706,7 @@ def _output_spec(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
 def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path | None = None,
                 direction: str | None = None, registry: Registry | None = None) -> Case:
     registry = registry or load_registry()
+    relations_path = relations
     rel_doc = load_relations(relations) if relations is not None else None
     seq_direction, seq_files = dumps_in(seq_dir, direction)
     _, dist_files = dumps_in(dist_dir, direction or seq_direction)
@@ -733,7 +734,7 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
 
     # relations
     guesses: list[str] = []
-    explicit = _explicit(rel_doc, seq, relations)
+    explicit = _explicit(rel_doc, seq, relations_path)
     relations: list[dict[str, Any]] = []
     for i, name in enumerate(seq.placeholders):
         seq_shape = tuple(seq.graph["inputs"][i]["shape"])
@@ -745,7 +746,10 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
             spec = explicit[i]
             if "fused" in spec:
                 f = spec["fused"]
-                relations.append({"from": name, "layout": fused_layout(locals_[0], f["parts"], int(f["dim"]), n)})
+                try:
+                    relations.append({"from": name, "layout": fused_layout(locals_[0], f["parts"], int(f["dim"]), n)})
+                except (ValueError, KeyError, TypeError) as e:
+                    raise InputError(str(relations_path), f"input {i} ({name})", f"fused layout: {e}") from None
             elif "layout" in spec:
                 relations.append({"from": name, "layout": spec["layout"]})
             elif "placements" in spec:
@@ -753,7 +757,7 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
             elif spec.get("unrelated"):
                 continue
             else:
-                raise InputError(str(relations), f"$.inputs.{i}", "needs fused, layout, placements or unrelated")
+                raise InputError(str(relations_path), f"input {i} ({name})", "needs fused, layout, placements or unrelated")
             continue
         local_shapes = {tuple(r.graph["inputs"][i]["shape"]) for r in ranks}
         pl = _placement(seq_shape, next(iter(local_shapes)), n) if len(local_shapes) == 1 else None
