@@ -52,6 +52,7 @@ _FILE = re.compile(r"(?P<dir>fw|bw|both)\.g(?P<gid>\d+)\.r(?P<rank>\d+)\.gpickle
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _LIBRARY = ("/site-packages/torch/", "/torch/_", "/torch/nn/", "/torch/autograd/", "/torch/utils/")
 WRAPPERS = ("auto_functionalized", "auto_functionalized_v2")
+_BUFFERS = ("empty", "empty_like", "new_empty_strided", "new_empty")
 
 
 class _Foreign:
@@ -569,7 +570,20 @@ def convert_dump(pg: PGraph, registry: Registry, ranks: list[int], sequential: b
     results = output.args[0]
     results = list(results) if isinstance(results, (list, tuple)) else [results]
     refs: list[Any] = []
+    live: set[fx.Node] = set()
+    todo = [r for i, r in enumerate(results) if isinstance(r, fx.Node) and (wanted is None or i in wanted)]
+    while todo:
+        x = todo.pop()
+        if x not in live:
+            live.add(x)
+            todo += x.all_input_nodes
     try:
+        # in program order, so each node's inputs are translated already (no deep recursion)
+        for n in g.nodes:
+            # (buffers are translated only where read as values: most are only written to)
+            if n in live and n.op == "call_function" and not isinstance(n.meta.get("val"), list) and \
+                    not (isinstance(n.target, torch._ops.OpOverload) and aten.base_name(n.target) in _BUFFERS):
+                em.value(n)
         for i, r in enumerate(results):
             refs.append(em.value(r) if isinstance(r, fx.Node) and (wanted is None or i in wanted) else None)
     except CaptureError as e:
