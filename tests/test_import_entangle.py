@@ -42,9 +42,10 @@ def _rank_ops(dist: dict[str, Any], rank: int) -> list[str]:
 def test_fused_layout() -> None:
     """Parts split by heads over the ranks; fewer heads than ranks: read from each group's first rank."""
     two = fused_layout("w", [{"size": 12, "heads": 6}, {"size": 4, "heads": 2}], 0, 2)
-    assert two == "cat(slice(w@0, 0, 0, 6), slice(w@1, 0, 0, 6), slice(w@0, 0, 6, 8), slice(w@1, 0, 6, 8), dim=0)"
+    assert two == ("cat(cat(slice(w@0, 0, 0, 6), slice(w@1, 0, 0, 6), dim=0), "
+                   "cat(slice(w@0, 0, 6, 8), slice(w@1, 0, 6, 8), dim=0), dim=0)")
     four = fused_layout("w", [{"size": 16, "heads": 8}, {"size": 4, "heads": 2}], 1, 4)
-    assert four.endswith("slice(w@3, 1, 0, 4), slice(w@0, 1, 4, 6), slice(w@2, 1, 4, 6), dim=1)"), four
+    assert four.endswith("slice(w@3, 1, 0, 4), dim=1), cat(slice(w@0, 1, 4, 6), slice(w@2, 1, 4, 6), dim=1), dim=1)"), four
     with pytest.raises(ValueError):
         fused_layout("w", [{"size": 12, "heads": 6}], 0, 4)
 
@@ -80,8 +81,8 @@ def test_qwen2_pair_imports_with_fused_layouts(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     dist = json.loads((out / "dist.json").read_text())
     rel = {x["from"]: x for x in dist["relations"]}
-    assert rel["arg4_1"]["layout"].startswith("cat(slice(arg4_1@0, 0, 0, 768), slice(arg4_1@1, 0, 0, 768), "
-                                              "slice(arg4_1@0, 0, 768, 896)")
+    assert rel["arg4_1"]["layout"].startswith("cat(cat(slice(arg4_1@0, 0, 0, 768), slice(arg4_1@1, 0, 0, 768), "
+                                              "dim=0), cat(slice(arg4_1@0, 0, 768, 896)")
     assert "guessed" not in rel["arg4_1"] and "layout" in rel["arg9_1"]
     assert rel["arg7_1"]["placements"] == ["Shard(1)"] and rel["arg7_1"]["guessed"]
     assert {"vllm_rms_norm", "vllm_rotary_embedding", "vllm_attention", "vllm_silu_and_mul",

@@ -656,9 +656,11 @@ def fused_layout(name: str, parts: list[dict[str, int]], dim: int, n: int) -> st
         size, heads = int(p["size"]), int(p.get("heads", n))
         start = sum(local_sizes[:i])
         owners = range(n) if heads >= n else range(0, n, n // heads)
-        for r in owners:
-            pieces.append(f"slice({name}@{r}, {dim}, {start}, {start + local_sizes[i]})")
-    return f"cat({', '.join(pieces)}, dim={dim})"
+        part = [f"slice({name}@{r}, {dim}, {start}, {start + local_sizes[i]})" for r in owners]
+        # one concat per part: the program slices the parts apart again, and a part is then
+        # one element of the outer concat (a wide flat concat of every piece proves slowly)
+        pieces.append(part[0] if len(part) == 1 else f"cat({', '.join(part)}, dim={dim})")
+    return pieces[0] if len(pieces) == 1 else f"cat({', '.join(pieces)}, dim={dim})"
 
 
 def load_relations(path: str | Path) -> dict[str, Any]:
