@@ -307,6 +307,15 @@ class EntangleEmitter(Emitter):
                     return out
         return super()._translate(n, path)
 
+    def _identity(self, n: fx.Node, name: str, a: dict[str, Any]) -> Any:
+        """Capture's identities and casts, plus float -> int casts (truncation, rules/trunc.py)."""
+        x = next((v for v in a.values() if isinstance(v, fx.Node)), None)
+        if x is not None and "val" in x.meta and "val" in n.meta:
+            src, out = x.meta["val"].dtype, n.meta["val"].dtype
+            if src.is_floating_point and not out.is_floating_point and out != torch.bool and not out.is_complex:
+                return self.emit("cast_trunc_t", [self.value(x)], {})
+        return super()._identity(n, name, a)
+
     def _group(self, g: Any) -> list[int]:
         return list(self.group)
 
