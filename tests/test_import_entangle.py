@@ -233,3 +233,18 @@ def test_bad_pickle_exits_2_naming_the_file(tmp_path: Path) -> None:
                                   "--out", str(tmp_path / "out")])
     assert r.exit_code == 2 and str(bad) in r.output and "refuses global" in r.output
     assert not Path("/tmp/refine_entangle_pwned").exists()
+
+
+def test_source_lines_and_assigned_numbers() -> None:
+    """A node's source is the innermost frame outside torch; a constant's value is read only
+    from a source line that assigns a number through a subscript (parsed, never run)."""
+    from refine.importer.entangle import _assigned_number, _frame_source
+
+    trace = ('  File "/a/model.py", line 10, in forward\n    y = f(x)\n'
+             '  File "/a/layers.py", line 255, in forward\n    masked_input[input_mask] = 0\n'
+             '  File "/x/site-packages/torch/_library/custom_ops.py", line 506, in __call__\n    return fn()\n')
+    assert _frame_source(trace) == ("layers.py:255", "masked_input[input_mask] = 0")
+    assert _assigned_number("masked_input[input_mask] = 0") == 0.0
+    assert _assigned_number("output_parallel[input_mask, :] = -1.5") == -1.5
+    for code in ("x = 0", "x[m] = y", "x[m] = f(0)", "x[m] = True", "__import__('os').system('ls')", None):
+        assert _assigned_number(code) is None
