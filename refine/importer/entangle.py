@@ -686,6 +686,10 @@ def load_relations(path: str | Path) -> dict[str, Any]:
     return doc
 
 
+def _reads(graph: dict[str, Any], name: str) -> bool:
+    return any(a == name for n in graph["nodes"] for a in n["args"]) or any(o["ref"] == name for o in graph["outputs"])
+
+
 def _explicit(doc: dict[str, Any] | None, seq: Imported, path: Any) -> dict[int, dict[str, Any]]:
     """Relation-file entries by sequential placeholder position: an entry names its
     placeholder by `index`, or applies to every placeholder of a `shape` (a fused weight
@@ -786,6 +790,9 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
             continue
         local_shapes = {tuple(r.graph["inputs"][i]["shape"]) for r in ranks}
         pl = _placement(seq_shape, next(iter(local_shapes)), n) if len(local_shapes) == 1 else None
+        readers = [(seq, name), *zip(ranks, locals_, strict=True)]
+        if pl is None and not any(_reads(imp.graph, x) for imp, x in readers):
+            continue  # no checked output reads it (a KV cache the step only returns): it needs no relation
         if pl is None:
             raise InputError(str(dist_files[0]), f"placeholder {i} ({name})",
                              f"no placement by shape: sequential {list(seq_shape)}, ranks {sorted(map(list, local_shapes))}"
