@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = ROOT.parent / "shared" / "corpus" / "entangle"
-RELATIONS = ROOT / "models" / "entangle"
+RELATIONS = ROOT / "models" / "entangle" / "relations"
 
 # inference time the corpus README reports for the original tool (16-core EPYC 7302P,
 # graph loading excluded): only the ends of each range are published

@@ -20,7 +20,7 @@ from refine.format import InputError
 from refine.importer.entangle import fused_layout, import_case
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
-MODELS = Path(__file__).resolve().parents[1] / "models" / "entangle"
+MODELS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"
 needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
 SLOW = pytest.mark.skipif(not __import__("os").environ.get("REFINE_SLOW_TESTS"),
                           reason="checks of whole corpus graphs take 15-25 s each; set REFINE_SLOW_TESTS=1")
