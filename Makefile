@@ -26,6 +26,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m refine.bench
+	$(BIN)/python -m refine.bench_corpus  # the external corpus matrix, when ../shared/corpus is there
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -78,6 +78,40 @@ def capture_cmd(target: str, out: str, world_size: int | None, then_check: bool)
     sys.exit(report.exit_code)
 
 
+@main.group("import")
+def import_group() -> None:
+    """Turn graphs captured by other tools into refine's graph format."""
+
+
+@import_group.command("entangle")
+@click.argument("seq_dir", type=click.Path())
+@click.argument("dist_dir", type=click.Path())
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="directory for seq.json and dist.json")
+@click.option("--relations", "relations", type=click.Path(dir_okay=False), default=None,
+              help="a relation file (fused layouts, placements, checked outputs); see README")
+@click.option("--direction", type=click.Choice(["fw", "bw", "both"]), default=None,
+              help="which dumps to read when a directory holds several (default: both, else fw)")
+def import_entangle_cmd(seq_dir: str, dist_dir: str, out: str, relations: str | None, direction: str | None) -> None:
+    """Read GraphGuard/Entangle .gpickle dumps: SEQ_DIR (the sequential graph) and DIST_DIR
+    (one graph per rank); write OUT/seq.json and OUT/dist.json."""
+    from refine.importer.entangle import import_case
+
+    try:
+        case = import_case(seq_dir, dist_dir, relations, direction)
+        case.write(out)
+    except InputError as e:
+        _bad_input(str(e), "text")
+        return
+    except OSError as e:
+        _bad_input(f"cannot write {out}: {e}", "text")
+        return
+    for g in case.guesses:
+        click.echo(f"guessed: {g}")
+    click.echo(f"wrote {out}/seq.json and {out}/dist.json ({case.nodes} FX nodes over "
+               f"{len(case.dist['ranks'])} ranks and the sequential graph)")
+
+
 @main.group("rules")
 def rules_group() -> None:
     """List the rewrite rules, or verify them numerically."""
