@@ -135,6 +135,7 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
         "IndexPutBy": lambda i, sh, v: ref("index_put_acc")(i, v, shape=tuple(sh)),
         "EmbRows": _emb_rows,
         "GatherOff": _gather_off,
+        "SumHas": lambda e, a: a,  # an index entry (rules/structure.py), named by its term
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -89,6 +89,10 @@ class Rule:
     family: str = ""
     doc: str = ""
     symbolic: bool = True  # also sound and expressible when sizes are symbolic
+    # an analysis or index that other rules read (prefix products, the terms of each sum):
+    # it runs with the shape rules, to saturation before each iteration, so every rule
+    # sees it complete
+    analysis: bool = False
 
 
 @dataclass
@@ -112,7 +116,7 @@ class Registry:
         for name, rules in self._pending:
             made: Iterable[Rule] = rules(self) if callable(rules) else rules
             for r in made:
-                self.rules.append(Rule(r.name, r.text, r.family or name, r.doc, r.symbolic))
+                self.rules.append(replace(r, family=r.family or name))
         self._pending.clear()
         names = [r.name for r in self.rules]
         dup = {n for n in names if names.count(n) > 1}
@@ -222,7 +226,8 @@ def matmul_shape(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
     return out
 
 
-def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: bool = True) -> Rule:
+def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: bool = True,
+            analysis: bool = False) -> Rule:
     """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
     d of x and `(ndim x)` its rank; both read the shape analysis. Sizes are compared and
     computed with the macros of `compile_text`."""
@@ -231,20 +236,21 @@ def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: 
     rhs, binds = _hoist(rhs)
     if not binds:
         text = f"(rewrite {lhs} {rhs}" + (f" :when ({' '.join(conds)})" if conds else "") + ")"
-        return Rule(name, text, doc=doc, symbolic=symbolic)
+        return Rule(name, text, doc=doc, symbolic=symbolic, analysis=analysis)
     # egglog reads functions such as (shape x) in queries only: bind them there
     query = " ".join([f"(= __e {lhs})", *conds, *binds])
-    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc, symbolic=symbolic)
+    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc, symbolic=symbolic, analysis=analysis)
 
 
-def rule(name: str, query: list[str], actions: list[str], doc: str = "", symbolic: bool = True) -> Rule:
+def rule(name: str, query: list[str], actions: list[str], doc: str = "", symbolic: bool = True,
+         analysis: bool = False) -> Rule:
     q = [_macros(x) for x in query]
     acts = []
     for a in actions:
         a, binds = _hoist(_macros(a), start=len(acts) * 100)
         q += binds
         acts.append(a)
-    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc, symbolic=symbolic)
+    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc, symbolic=symbolic, analysis=analysis)
 
 
 # ---------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ class Engine:
             if self.symbolic and not r.symbolic:
                 continue
             text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
-            if r.name.startswith("prefix-product"):
+            if r.analysis:
                 text = _in_ruleset(text, "shapes")
             lines.append(text)
         prelude = [dims_prelude()] if self.symbolic else []

@@ -17,8 +17,10 @@
    bool, operands of log/sqrt/div: positive). Every e-node of the e-graph read back is
    evaluated with the ops' torch references, its children taken by their e-class; every
    e-node must equal (allclose, float64) the e-class's value, the shape analysis must agree
-   with the evaluated shape of its e-class, and prefix products (`pp`) must be right. Any
-   difference can only come from the one rule in the e-graph.
+   with the evaluated shape of its e-class, and the analyses must be right: prefix products
+   (`pp`), the index of the terms of each sum (`SumHas`: a term of a sum of that class;
+   `SumPair`: a class holding the sum of two terms). Any difference can only come from the
+   one rule in the e-graph.
 4. **Coverage.** A rule that never changed its e-graph was not tested: it is reported.
 """
 
@@ -29,6 +31,7 @@ import math
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -43,7 +46,6 @@ from refine.ir import TensorType
 from refine.opset import Registry, Rule, compile_text, load_registry
 
 ITERATIONS = 3
-SHAPES_ALWAYS = ("prefix-product",)  # analysis rules the engine runs in the shapes ruleset
 
 # ---------------------------------------------------------------------------------------
 # Seeds
@@ -607,18 +609,29 @@ def ruleset_name(i: int) -> str:
 
 def query_heads(rule: Rule, names: set[str]) -> set[str]:
     """The constructors a rule's query (or rewrite's left side) mentions."""
+    return _mentions(parse_sexp(rule.text)[1], names)
+
+
+def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
+    """The tables an analysis rule fills: constructors its actions (or right side) apply,
+    directly or through `unstable-fn`."""
     sexp = parse_sexp(rule.text)
-    query = sexp[1]
+    return _mentions(sexp[2], names) | _mentions(sexp[2], {f'"{n}"' for n in names}, atoms=True)
+
+
+def _mentions(x: Any, names: set[str], atoms: bool = False) -> set[str]:
     out: set[str] = set()
 
-    def walk(x: Any) -> None:
-        if isinstance(x, list) and x:
-            if isinstance(x[0], str) and x[0] in names:
-                out.add(x[0])
-            for y in x:
-                walk(y)
+    def walk(y: Any) -> None:
+        if isinstance(y, list) and y:
+            if isinstance(y[0], str) and y[0] in names:
+                out.add(y[0])
+            for z in y:
+                walk(z)
+        elif atoms and isinstance(y, str) and y in names:
+            out.add(y.strip('"'))
 
-    walk(query)
+    walk(x)
     return out
 
 
@@ -656,12 +669,12 @@ class Harness:
             self.sorts[h] = tuple(s for s in ss if s != "T")
         lines = [decls]
         self.checked_rules: list[tuple[int, Rule]] = []
-        self.always: list[Rule] = []
+        self.always: list[Rule] = []  # analyses: they run with the shape rules, as in the engine
         for i, r in enumerate(reg.rules):
             if self.symbolic and not r.symbolic:
                 continue
             text = compile_text(r.text, self.symbolic)
-            if r.name.startswith(SHAPES_ALWAYS):
+            if r.analysis:
                 lines.append(_in_ruleset(text, "shapes"))
                 self.always.append(r)
             else:
@@ -678,9 +691,12 @@ class Harness:
             self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
-        self.heads = {r.name: query_heads(r, names) for _, r in self.checked_rules}
+        tables = names | {"pp", "SumPair"}
+        self.writes = {r.name: analysis_writes(r, tables) for r in self.always}
+        made = set().union(*self.writes.values())  # seeds need not hold what analyses make
+        self.heads = {r.name: query_heads(r, names) - made for _, r in self.checked_rules}
         self.t_ops = names
-        self.pp_checked = 0
+        self.analysis_checked: Counter[str] = Counter()  # analysis table -> entries checked
 
     def _run(self, program: str) -> list:
         return self.eg.run_program(*self.eg.parse_program(program))
@@ -822,8 +838,25 @@ class Harness:
                     if not isinstance(v, str) and tuple(v.shape) != want:
                         failures.append(f"shape analysis says {list(want)} for {cls_term[c]}, "
                                         f"which has shape {list(v.shape)}")
+            if n["op"] == "SumHas":
+                # a term of a sum of that class
+                e, a = (nodes[k]["eclass"] for k in n["children"])
+                self.analysis_checked["SumHas"] += 1
+                if not any(m["op"] == "Sum" and m["eclass"] == e and a in {nodes[k]["eclass"] for k in nodes[m["children"][0]]["children"]}
+                           for m in nodes.values()):
+                    failures.append(f"SumHas: {cls_term.get(a)} is no term of a sum of the class of {cls_term.get(e)}")
+            if n["op"] == "SumPair":
+                # a class holding the sum of the two terms
+                x1, x2, u = (cls_term.get(nodes[k]["eclass"]) for k in n["children"])
+                self.analysis_checked["SumPair"] += 1
+                if x1 is None or x2 is None or u is None:
+                    failures.append(f"SumPair over terms that cannot be read back: {x1}, {x2}, {u}")
+                else:
+                    a, b = self._eval(Term("Sum", (x1, x2))), self._eval(u)
+                    if isinstance(a, str) or isinstance(b, str) or not close(a, b):
+                        failures.append(f"SumPair: {x1} + {x2} is not {u}; {self.where(x1, x2, u)}")
             if n["op"] == "pp":
-                self.pp_checked += 1
+                self.analysis_checked["pp"] += 1
                 sv, i = value(n["children"][0]), value(n["children"][1])
                 got = value(prim[n["eclass"]])
                 if i > len(sv) or got != math.prod(sv[:i]):
@@ -871,13 +904,14 @@ class Harness:
             return f"{type(e).__name__}: {str(e)[:200]}"
 
     def run(self, only: Iterable[str] | None = None) -> list[RuleResult]:
-        """Check each rule; the analysis rules that always run (prefix products) are
-        reported as exercised when their table was checked in some e-graph."""
+        """Check each rule; the analysis rules that always run (prefix products, the sum
+        index) are reported as exercised when their tables were checked in some e-graph."""
         keep = set(only) if only is not None else None
         out = [self.check_rule(i, r) for i, r in self.checked_rules if keep is None or r.name in keep]
         for r in self.always:
             if keep is None or r.name in keep:
-                out.append(RuleResult(r.name, self.pp_checked > 0, 0, 0, self.pp_checked, [], 0.0))
+                n = sum(self.analysis_checked[t] for t in self.writes[r.name])
+                out.append(RuleResult(r.name, n > 0, 0, 0, n, [], 0.0))
         return out
 
 

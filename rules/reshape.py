@@ -128,9 +128,9 @@ OPS = [
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
         # (pp s i): the product of the first i entries of a shape vector
-        rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) (dim 1))"]),
+        rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) (dim 1))"], analysis=True),
         rule("prefix-product-step", ["(= p (pp s i))", "(< i (vec-length s))"],
-             ["(set (pp s (+ i 1)) (d* p (vec-get s i)))"]),
+             ["(set (pp s (+ i 1)) (d* p (vec-get s i)))"], analysis=True),
         rule("view-over-cat",
              ["(= e (view c s))", "(= c (cat p q d))", "(= si (shape c))", "(= so (shape e))",
               "(= pre (pp si d))", "(= pre (pp so d2))", "(< d2 (vec-length so))",

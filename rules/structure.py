@@ -128,6 +128,20 @@ def _ref_scale(x: torch.Tensor, factor: Fraction) -> torch.Tensor:
     return x * float(factor)
 
 
+# An index of the terms of sums, kept complete before each iteration (analysis rules run
+# with the shape rules). A rule looking for a sum that holds some other term (a scale, a
+# concat, a sum) joins on it: with `(multiset-contains ms a)` alone egglog tries every sum
+# against every candidate term, and a step of a few thousand sums spent minutes there.
+# (SumHas e a): a is a term of a sum of class e; (SumPair x1 x2 u): a sum of class u is
+# x1 + x2 (x1 the term egglog picks first).
+SUM_INDEX = [
+    rule("sum-terms-index", ["(= e (Sum ms))"],
+         ["(let __has (unstable-multiset-map (unstable-fn \"SumHas\" e) ms))"], analysis=True),
+    rule("sum-pairs-index", ["(= u (Sum ms))", "(= (multiset-length ms) 2)", "(= x1 (multiset-pick ms))",
+                             "(= x2 (multiset-pick (multiset-remove ms x1)))"],
+         ["(SumPair x1 x2 u)"], analysis=True),
+]
+
 SHAPE_SAME = "(rule ((= e (OP x ARGS)) (= s (shape x))) ((set (shape e) s)))"
 
 OPS = [
@@ -162,7 +176,9 @@ OPS = [
        kind="unary", egglog_shape=SHAPE_SAME.replace("OP", "Scale").replace(" ARGS", " r"),
        doc="x times an exact rational", linear="first"),
     Op("Sum", -1, _nary_shape, ref=_ref_sum, core=True, clean=True, kind="nary",
-       egglog_shape="(rule ((= e (Sum ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
+       # through the index of terms (see SUM_INDEX): `(shape (multiset-pick ms))` makes egglog
+       # pair every new shape with every sum to find the picked term
+       egglog_shape="(rule ((= e (Sum ms)) (SumHas e a) (= s (shape a))) ((set (shape e) s)))",
        doc="sum of a multiset of tensors", linear="joint"),
     Op("Max", -1, _nary_shape, ref=_ref_max, core=True, clean=True, kind="nary",
        egglog_shape="(rule ((= e (Max ms)) (= s (shape (multiset-pick ms)))) ((set (shape e) s)))",
@@ -174,6 +190,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
     one = "(bigrat (bigint 1) (bigint 1))"
     zero = "(bigrat (bigint 0) (bigint 1))"
     out = [
+        *SUM_INDEX,
         # slices of a concat along its own dim fall into one side, or straddle both
         rewrite("slice-cat-left", "(slice (cat a b d) d s e)", "(slice a d s e)",
                 "(d<= e (size a d))"),
@@ -209,13 +226,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
         # bias added on every rank, or halved on every rank, then summed). With scale-sum kept
         # off sums of copies, these meet no cycle that makes new factors without end
-        rule("sum-duplicate", ["(= e (Sum ms))", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)", "(!= e a)", "(multiset-contains (multiset-remove ms a) a)"],
+        rule("sum-duplicate", ["(= e (Sum ms))", "(SumHas e a)", "(= s (shape e))", "(= s (shape a))", "(multiset-contains ms a)",
+                                "(!= e a)", "(multiset-contains (multiset-remove ms a) a)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
-        rule("sum-like-scales", ["(= e (Sum ms))", "(= a (Scale x r1))", "(multiset-contains ms a)",
-                                 "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+        rule("sum-like-scales", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                 "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
              ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
-        rule("sum-plain-and-scale", ["(= e (Sum ms))", "(= b (Scale a r))", "(multiset-contains ms a)",
-                                     "(multiset-contains (multiset-remove ms a) b)"],
+        rule("sum-plain-and-scale", ["(= e (Sum ms))", "(SumHas e b)", "(= b (Scale a r))", "(SumHas e a)",
+                                     "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
         # These rules make new multiples; each is kept to multiples of rank tensors (D), so the
         # factors they make stay few: unguarded, collecting like terms and relating multiples
@@ -232,14 +250,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # its class (y = x + x, x = y / 2) new factors without end; a sum of copies inside
         # a sum, flattened, gives each term of k a third form (a, 2b, b + b): 3^k sums
         # nor a sum inside itself (x = x + 0 would take up zeros without end)
-        rule("sum-flatten", ["(= e (Sum ms))", "(= inner (Sum ms2))", "(multiset-contains ms inner)",
+        rule("sum-flatten", ["(= e (Sum ms))", "(SumHas e inner)", "(= inner (Sum ms2))", "(multiset-contains ms inner)",
                              "(!= e inner)", "(= (multiset-count ms inner) 1)", "(= p (multiset-pick ms2))",
                              "(< (multiset-count ms2 p) (multiset-length ms2))"],
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
         rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
              ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
         # adding a zero constant changes nothing (an accumulation into zeros, say)
-        rule("sum-zero", ["(= e (Sum ms))", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
+        rule("sum-zero", ["(= e (Sum ms))", "(SumHas e z)", "(= z (full v sh))", "(multiset-contains ms z)", "(= v 0.0)",
                           "(> (multiset-length ms) 1)"],
              ["(union e (Sum (multiset-remove ms z)))"]),
         # two tensors each zero where the other is not: their sum is the concat of the
@@ -251,15 +269,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # a rank tensor that is the sum of two terms of a longer sum stands for them (each
         # rank's partial, sum of its own terms, inside the flat sum over ranks)
         rule("sum-group-pair",
-             ["(= e (Sum ms))", "(= u (Sum ms2))", "(= (multiset-length ms2) 2)", "(> (multiset-length ms) 2)",
-              "(= x1 (multiset-pick ms2))", "(= x2 (multiset-pick (multiset-remove ms2 x1)))",
+             ["(SumPair x1 x2 u)", "(SumHas e x1)", "(SumHas e x2)", "(= e (Sum ms))", "(> (multiset-length ms) 2)",
               "(multiset-contains ms x1)", "(multiset-contains (multiset-remove ms x1) x2)"],
              ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms x1) x2) u)))"]),
         rule("sum-single", ["(= e (Sum ms))", "(= (multiset-length ms) 1)"],
              ["(union e (multiset-pick ms))"]),
         rule("max-single", ["(= e (Max ms))", "(= (multiset-length ms) 1)"],
              ["(union e (multiset-pick ms))"]),
-        rule("sum-cat", ["(= e (Sum ms))", "(= c (cat a b d))", "(multiset-contains ms c)",
+        rule("sum-cat", ["(= e (Sum ms))", "(SumHas e c)", "(= c (cat a b d))", "(multiset-contains ms c)",
                          "(= k (size a d))"],
              ["(union e (cat (Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d (dim 0) k) ms)) "
               "(Sum (unstable-multiset-map (unstable-fn \"SliceBy\" d k (size e d)) ms)) d))"]),
@@ -342,4 +359,7 @@ DECLS = [
     f"(constructor ViewAs (IV T) T :cost {HELPER})",
     f"(constructor ExpandTo (IV T) T :cost {HELPER})",
     f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
+    # the index of SUM_INDEX: never unioned with anything, never extracted
+    f"(constructor SumHas (T T) T :cost {HELPER})",
+    "(relation SumPair (T T T))",
 ]

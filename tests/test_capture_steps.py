@@ -10,7 +10,6 @@ checker says.
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from pathlib import Path
 from types import ModuleType
@@ -38,9 +37,6 @@ ACCUM = _module("accum_mlp")
 CLIP = _module("clip_mlp")
 DP_GRADS = {f"{p}.grad" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 TP_GRADS = DP_GRADS | {"ln.weight.grad", "ln.bias.grad"}
-SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
-                          reason="about 2.5 minutes on 2 shared cores (nested 4-piece concats); "
-                                 "set REFINE_SLOW_TESTS=1")
 SECONDS: dict[str, float] = {}  # capture times, printed by test_capture_times
 
 
@@ -104,7 +100,6 @@ def test_four_micro_batches_compute_the_sequential_step() -> None:
     assert wrong_numerically(captured(ACCUM, world_size=2, micro_batches=4)) == set()
 
 
-@SLOW
 def test_accumulation_with_four_micro_batches_refines() -> None:
     report = captured(ACCUM, world_size=2, micro_batches=4).check()
     assert report.refines, report
