@@ -26,6 +26,7 @@ from refine.relate import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
+DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -402,10 +403,14 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
+    fusing = {name for name, op in registry.ops.items() if op.fuse}
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
-        tries = hops[:1] if OPAQUE in term.ops() else hops
+        ops = term.ops()
+        tries = hops[:1] if OPAQUE in ops else hops
+        if OPAQUE not in ops and ops & fusing:
+            tries = (*hops, DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         res = None
         for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
@@ -414,12 +419,17 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 break
         assert res is not None
         shown[n.name] = res.best
-        clean[n.name] = res.clean
         steps[n.name] = res
         known |= res.best.leaves()
         if res.clean:
+            clean[n.name] = True
             down[n.name] = res.best
+        elif n.op in fusing and OPAQUE not in ops and not ops & fusing:
+            # its users see the op over its inputs' relations; left out of `clean`: whether
+            # it is right is decided at its users (localization passes over it)
+            down[n.name] = term
         else:
+            clean[n.name] = False
             prog.opaque[n.name] = n.type
             down[n.name] = opaque(n.name)
         for f in res.found:

@@ -40,7 +40,7 @@ from egglog import bindings
 from refine.evaluate import close, eval_term, helper_sorts, max_err
 from refine.expr import Term, lit, parse_sexp
 from refine.ir import TensorType
-from refine.opset import Registry, Rule, compile_text, load_registry
+from refine.opset import Registry, Rule, ShapeError, compile_text, load_registry
 
 ITERATIONS = 3
 SHAPES_ALWAYS = ("prefix-product",)  # analysis rules the engine runs in the shapes ruleset
@@ -285,8 +285,13 @@ class SeedGen:
             return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
         if op.inputs > 0 and all(k.rstrip("?") == "dim" for _, k in op.attrs):
             # an op from a rule file refine has no sampler for: same-shape float arguments
-            # and a random dim for each dim attribute
-            return [(x, "f", 0)] * op.inputs, tuple(r.randrange(len(x)) for _ in op.attrs)
+            # and a random dim for each dim attribute (none if its shape rule refuses them)
+            specs, attrs = [(x, "f", 0)] * op.inputs, tuple(r.randrange(len(x)) for _ in op.attrs)
+            try:
+                op.shape([TensorType(x)] * op.inputs, {k: v for (k, _), v in zip(op.attrs, attrs, strict=True)})
+            except ShapeError:
+                return None
+            return specs, attrs
         return None
 
     def build(self, name: str, args: list[Term], attrs: tuple[Any, ...]) -> Term:
@@ -331,6 +336,10 @@ class SeedGen:
                         out.append(t)
                         if self.rng.random() < 0.3:
                             out.extend(self.sliced(t))
+        # the families' own seeds (SEEDS), made last so the leaves above keep their values
+        for make in self.registry.seeders:
+            self.rng = random.Random(f"{self.seed}:{make.__module__}")
+            self.special_terms += make(self)
         self.n_special = len(self.special_terms)
         return [canonical(t) for t in self.special_terms + out]
 
