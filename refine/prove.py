@@ -404,13 +404,17 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
     fusing = {name for name, op in registry.ops.items() if op.fuse}
+    fused: dict[str, Term] = {}  # a fused op's node -> the op over its inputs' relations
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
         ops = term.ops()
-        tries = hops[:1] if OPAQUE in ops else hops
-        if OPAQUE not in ops and ops & fusing:
-            tries = (*hops, DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
+        over_fused = any(a.ops() & fusing for a in term.args)
+        # a fused op's own relation is searched near its inputs only (if there is one
+        # further away, it is its users' business: they search deep)
+        tries = hops[:1] if OPAQUE in ops or n.op in fusing else hops
+        if OPAQUE not in ops and over_fused:
+            tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         res = None
         for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
@@ -418,13 +422,24 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             if res.clean:
                 break
         assert res is not None
+        if not res.clean and OPAQUE not in ops and fused.keys() & set(n.tensor_args()):
+            # a fused input's clean relation may hold tensors this node's rank counterpart is
+            # not computed from (softmax's blocks, recomputed by a flash-style backward, for
+            # the attention output the forward merges): retry over the fused term
+            alt = node_term(n, {**down, **fused}, registry)
+            again = engine.step(alt, prog, registry, frontier(prog, _with_replicas(prog, alt.leaves()), known,
+                                                              DEEP_HOPS))
+            if again.clean:
+                res = again
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
+        if n.op in fusing and OPAQUE not in ops and not over_fused:
+            fused[n.name] = term
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
-        elif n.op in fusing and OPAQUE not in ops and not ops & fusing:
+        elif n.name in fused:
             # its users see the op over its inputs' relations; left out of `clean`: whether
             # it is right is decided at its users (localization passes over it)
             down[n.name] = term

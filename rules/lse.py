@@ -80,11 +80,14 @@ OPS = [
 ]
 
 
-RULES: list[Rule] = [
+# Each rule finds one term of a two-term sum with a selective pattern and `multiset-contains`
+# and binds the other with `multiset-pick` of the rest: a join of every candidate term of
+# the e-graph with every other (all `exp_t`s with all `Scale`s, say) makes steps crawl.
+RULES_DEF: list[Rule] = [
     # m + log(sum(exp(x - m))) over d is the log-sum-exp of x, whatever the finite row
     # constant m (the row max, for stability)
     rule("lse-def",
-         ["(= e (Sum ms))", "(= (multiset-length ms) 2)", "(= lg (log_t (rsum (exp_t (Sum ms2)) d)))",
+         ["(= lg (log_t (rsum (exp_t (Sum ms2)) d)))", "(= e (Sum ms))", "(= (multiset-length ms) 2)",
           "(multiset-contains ms lg)", "(= m (multiset-pick (multiset-remove ms lg)))",
           "(= (multiset-length ms2) 2)", "(= neg (Scale (expand m sh) r))", f"(= r {NEG})",
           "(multiset-contains ms2 neg)", "(= x (multiset-pick (multiset-remove ms2 neg)))",
@@ -92,14 +95,39 @@ RULES: list[Rule] = [
          ["(union e (lse_c x d))"]),
     # mx + log(exp(a - mx) + exp(b - mx)) is log(exp(a) + exp(b)), whatever mx
     rule("logaddexp-def",
-         ["(= e (Sum ms))", "(= (multiset-length ms) 2)", "(= lg (log_t (Sum ms2)))", "(multiset-contains ms lg)",
+         ["(= lg (log_t (Sum ms2)))", "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms lg)",
           "(= mx (multiset-pick (multiset-remove ms lg)))", "(= (multiset-length ms2) 2)",
-          "(= ea (exp_t (Sum msa)))", "(multiset-contains ms2 ea)",
-          "(= eb (exp_t (Sum msb)))", "(multiset-contains (multiset-remove ms2 ea) eb)",
-          "(= (multiset-length msa) 2)", "(= na (Scale mx r))", f"(= r {NEG})", "(multiset-contains msa na)",
+          "(= ea (multiset-pick ms2))", "(= eb (multiset-pick (multiset-remove ms2 ea)))",
+          "(= ea (exp_t (Sum msa)))", "(= eb (exp_t (Sum msb)))", "(= na (Scale mx r))", f"(= r {NEG})",
+          "(= (multiset-length msa) 2)", "(multiset-contains msa na)",
           "(= (multiset-length msb) 2)", "(multiset-contains msb na)",
           "(= a (multiset-pick (multiset-remove msa na)))", "(= b (multiset-pick (multiset-remove msb na)))"],
          ["(union e (logaddexp_t a b))"]),
+    # a block's output: exp(s - m) @ v divided by the row sum of exp(s - m), any m
+    rule("attn-block",
+         ["(= e (div_t (matmul p v) (expand (rsum p d) sh)))", "(= p (exp_t (Sum ms)))",
+          "(= (multiset-length ms) 2)", "(= neg (Scale (expand m sh2) r))", f"(= r {NEG})",
+          "(multiset-contains ms neg)", "(= s (multiset-pick (multiset-remove ms neg)))",
+          "(= d (- (ndim s) 1))", "(= (ndim v) (ndim s))"],
+         ["(union e (attn_c s v))"]),
+    # the online-softmax merge of two blocks' outputs, each rescaled by exp(its lse - the
+    # merged lse), is attention over both blocks
+    rule("attn-merge",
+         ["(= ta (mul_t oa (expand (exp_t (Sum msa)) sh)))", "(= oa (attn_c a va))",
+          "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms ta)",
+          "(= tb (multiset-pick (multiset-remove ms ta)))",
+          "(= tb (mul_t ob (expand (exp_t (Sum msb)) sh)))", "(= ob (attn_c b vb))", "(= d (- (ndim a) 1))",
+          "(= la (lse_c a d))", "(= lb (lse_c b d))", "(= l (logaddexp_t la lb))",
+          "(= nl (Scale l r))", f"(= r {NEG})",
+          "(= (multiset-length msa) 2)", "(multiset-contains msa la)", "(multiset-contains msa nl)",
+          "(= (multiset-length msb) 2)", "(multiset-contains msb lb)", "(multiset-contains msb nl)"],
+         ["(union e (attn_c (cat a b d) (cat va vb (- d 1))))"]),
+]
+
+
+RULES: list[Rule] = [
+    *RULES_DEF,
+    rewrite("logaddexp-comm", "(logaddexp_t a b)", "(logaddexp_t b a)"),
     # the log-sum-exp of a concat along its dim merges the pieces'; along another dim it
     # keeps the concat
     rewrite("lse-over-cat-same-dim", "(lse_c (cat a b d) d)", "(logaddexp_t (lse_c a d) (lse_c b d))"),
@@ -114,25 +142,6 @@ RULES: list[Rule] = [
     # attention: softmax over the last dim, then the product with the values
     rule("attn-def", ["(= e (matmul (softmax s d) v))", "(= d (- (ndim s) 1))", "(= (ndim v) (ndim s))"],
          ["(union e (attn_c s v))"]),
-    # a block's output: exp(s - m) @ v divided by the row sum of exp(s - m), any m
-    rule("attn-block",
-         ["(= e (div_t (matmul p v) (expand (rsum p d) sh)))", "(= p (exp_t (Sum ms)))",
-          "(= (multiset-length ms) 2)", "(= neg (Scale (expand m sh2) r))", f"(= r {NEG})",
-          "(multiset-contains ms neg)", "(= s (multiset-pick (multiset-remove ms neg)))",
-          "(= d (- (ndim s) 1))", "(= (ndim v) (ndim s))"],
-         ["(union e (attn_c s v))"]),
-    # the online-softmax merge of two blocks' outputs, each rescaled by exp(its lse - the
-    # merged lse), is attention over both blocks
-    rule("attn-merge",
-         ["(= e (Sum ms))", "(= (multiset-length ms) 2)",
-          "(= ta (mul_t oa (expand (exp_t (Sum msa)) sh)))", "(multiset-contains ms ta)",
-          "(= tb (mul_t ob (expand (exp_t (Sum msb)) sh)))", "(multiset-contains (multiset-remove ms ta) tb)",
-          "(= oa (attn_c a va))", "(= ob (attn_c b vb))", "(= d (- (ndim a) 1))",
-          "(= la (lse_c a d))", "(= lb (lse_c b d))", "(= l (logaddexp_t la lb))",
-          "(= nl (Scale l r))", f"(= r {NEG})",
-          "(= (multiset-length msa) 2)", "(multiset-contains msa la)", "(multiset-contains msa nl)",
-          "(= (multiset-length msb) 2)", "(multiset-contains msb lb)", "(multiset-contains msb nl)"],
-         ["(union e (attn_c (cat a b d) (cat va vb (- d 1))))"]),
     # rows of the scores are independent queries
     rewrite("attn-over-cat-rows", "(attn_c (cat a b d) v)", "(cat (attn_c a v) (attn_c b v) d)",
             "(= d (- (ndim a) 2))"),
@@ -142,7 +151,9 @@ RULES: list[Rule] = [
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
-    """Each formula the rules recognise, on random leaves (the harness checks both sides)."""
+    """Each formula the rules recognise, on random leaves (the harness checks both sides).
+    The rules bind a two-term sum's terms by picks, one rule per order; so each formula
+    comes with its terms made in either order (a term seeded alone first is made first)."""
     r = gen.rng
     out: list[Term] = []
     neg = (Fraction(-1),)
@@ -150,37 +161,47 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     def minus(x: Term, y: Term) -> Term:
         return Term("Sum", (x, Term("Scale", (y,), neg)))
 
+    def both(t1: Term, t2: Term) -> list[Term]:
+        return [t1, Term("Sum", (t1, t2))]
+
     for _ in range(gen.instances):
         n, k, e = r.choice([1, 2, 3]), r.choice([1, 2, 3]), r.choice([1, 2])
-        x = gen.leaf((n, k))
-        for m in (gen.leaf((n, 1)), Term("rmax", (x,), (1,))):
-            shifted = minus(x, Term("expand", (m,), ((n, k),)))
-            total = Term("rsum", (Term("exp_t", (shifted,)),), (1,))
-            out.append(Term("Sum", (m, Term("log_t", (total,)))))  # lse-def
-            v = gen.leaf((k, e))
-            p = Term("exp_t", (shifted,))
-            out.append(Term("div_t", (Term("matmul", (p, v)), Term("expand", (Term("rsum", (p,), (1,)),), ((n, e),)))))
-        a, b, mx = gen.leaf((n, 1)), gen.leaf((n, 1)), gen.leaf((n, 1))
-        out.append(Term("Sum", (mx, Term("log_t", (Term("Sum", (Term("exp_t", (minus(a, mx),)),
-                                                                   Term("exp_t", (minus(b, mx),)))),)))))
+        for first in (0, 1):
+            for wide in (0, 1):
+                # x a leaf (made before the shift) or a slice (made after it)
+                x = gen.leaf((n, k)) if not wide else Term("slice", (gen.leaf((n, k + 1)),), (1, 1, k + 1))
+                m = gen.leaf((n, 1)) if first else Term("rmax", (x,), (1,))
+                shifted = minus(x, Term("expand", (m,), ((n, k),)))
+                lg = Term("log_t", (Term("rsum", (Term("exp_t", (shifted,)),), (1,)),))
+                out += both(lg, m) if first else [Term("Sum", (m, lg))]  # lse-def
+                v = gen.leaf((k, e))
+                p = Term("exp_t", (shifted,))
+                out.append(Term("div_t", (Term("matmul", (p, v)),
+                                          Term("expand", (Term("rsum", (p,), (1,)),), ((n, e),)))))
+            a, b = gen.leaf((n, 1)), gen.leaf((n, 1))
+            mx = gen.leaf((n, 1)) if first else Term("maximum_t", (a, b))
+            lg = Term("log_t", (Term("Sum", (Term("exp_t", (minus(a, mx),)), Term("exp_t", (minus(b, mx),)))),))
+            out += both(lg, mx) if first else [Term("Sum", (mx, lg))]  # logaddexp-def
         # concats: along the reduced dim and another; slices; softmax over a concat
         a2, b2 = gen.leaf((n, k)), gen.leaf((n, r.choice([1, 2])))
         out += [Term("lse_c", (Term("cat", (a2, b2), (1,)),), (1,)),
                 Term("lse_c", (Term("cat", (gen.leaf((1, k)), gen.leaf((n, k))), (0,)),), (1,)),
                 Term("slice", (Term("lse_c", (gen.leaf((3, k)),), (1,)),), (0, 1, 3)),
                 Term("softmax", (Term("cat", (a2, b2), (1,)),), (1,))]
-        # attention, and the merge of two blocks
+        # attention, and the merge of two blocks (either block's term made first)
         ka, kb = r.choice([1, 2]), r.choice([1, 3])
-        sa, sb = gen.leaf((n, ka)), gen.leaf((n, kb))
-        va, vb = gen.leaf((ka, e)), gen.leaf((kb, e))
-        out.append(Term("matmul", (Term("softmax", (sa,), (1,)), va)))
-        la, lb = Term("lse_c", (sa,), (1,)), Term("lse_c", (sb,), (1,))
-        lab = Term("logaddexp_t", (la, lb))
+        for first in (0, 1):
+            sa, sb = gen.leaf((n, ka)), gen.leaf((n, kb))
+            va, vb = gen.leaf((ka, e)), gen.leaf((kb, e))
+            out.append(Term("matmul", (Term("softmax", (sa,), (1,)), va)))
+            la, lb = Term("lse_c", (sa,), (1,)), Term("lse_c", (sb,), (1,))
+            lab = Term("logaddexp_t", (la, lb))
 
-        def scaled(o: Term, lj: Term) -> Term:
-            return Term("mul_t", (o, Term("expand", (Term("exp_t", (minus(lj, lab),)),), ((n, e),))))
+            def scaled(o: Term, lj: Term, lab: Term = lab) -> Term:
+                return Term("mul_t", (o, Term("expand", (Term("exp_t", (minus(lj, lab),)),), ((n, e),))))
 
-        out.append(Term("Sum", (scaled(Term("attn_c", (sa, va)), la), scaled(Term("attn_c", (sb, vb)), lb))))
-        out += [Term("attn_c", (Term("cat", (gen.leaf((1, ka)), sa), (0,)), va)),
-                Term("slice", (Term("attn_c", (gen.leaf((3, ka)), va)),), (0, 1, 3))]
+            ta, tb = scaled(Term("attn_c", (sa, va)), la), scaled(Term("attn_c", (sb, vb)), lb)
+            out += both(ta, tb) if first else both(tb, ta)
+        out += [Term("attn_c", (Term("cat", (gen.leaf((1, ka)), gen.leaf((n, ka))), (0,)), gen.leaf((ka, e)))),
+                Term("slice", (Term("attn_c", (gen.leaf((3, ka)), gen.leaf((ka, e)))),), (0, 1, 3))]
     return out

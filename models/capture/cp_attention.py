@@ -107,7 +107,7 @@ class RingAttention(torch.autograd.Function):
         dq, dks, dvs = None, [], []
         for j in range(ctx.world):
             kj = kf[j * n:(j + 1) * n]
-            ds = ps[j] * (dps[j] - d) * SCALE
+            ds = (ps[j] * dps[j] - ps[j] * d) * SCALE  # P_j * (dP_j - D), in the softmax backward's two terms
             dq = ds @ kj if dq is None else dq + ds @ kj
             dks.append((q.t() @ ds).t())
             dvs.append(ps[j].t() @ dout)
