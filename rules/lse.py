@@ -197,8 +197,8 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             la, lb = Term("lse_c", (sa,), (1,)), Term("lse_c", (sb,), (1,))
             lab = Term("logaddexp_t", (la, lb))
 
-            def scaled(o: Term, lj: Term, lab: Term = lab) -> Term:
-                return Term("mul_t", (o, Term("expand", (Term("exp_t", (minus(lj, lab),)),), ((n, e),))))
+            def scaled(o: Term, lj: Term, lab: Term = lab, sh: tuple[int, int] = (n, e)) -> Term:
+                return Term("mul_t", (o, Term("expand", (Term("exp_t", (minus(lj, lab),)),), (sh,))))
 
             ta, tb = scaled(Term("attn_c", (sa, va)), la), scaled(Term("attn_c", (sb, vb)), lb)
             out += both(ta, tb) if first else both(tb, ta)
