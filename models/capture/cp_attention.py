@@ -20,8 +20,9 @@ autograd Function, as ring / context-parallel implementations write it:
   gradients (every key block gets a piece from this rank's queries) are reduce-scattered
   back to the ranks that own the blocks (the transpose of the forward's all-gather).
 
-The loss is each rank's MSE over its tokens; the parameter gradients are AVG-all-reduced
-(data parallel over the sequence) and the reported loss averaged. `make_case(bug=...)`:
+The loss is each rank's squared error over its tokens divided by the global element count;
+the parameter gradients and the loss are summed over the ranks (data parallel over the
+sequence). `make_case(bug=...)`:
 
 - "no_rescale": the merge adds the new block without rescaling the running output by
   `exp(lse_old - lse_new)`;
@@ -140,12 +141,14 @@ def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch
 
 
 def cp_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Each rank's loss over its tokens; gradients and loss averaged over the ranks."""
-    loss = F.mse_loss(model(x), target)
+    """Each rank's squared error over its tokens, normalised by the global element count (as
+    context-parallel trainers do), so the gradients and the loss are summed over the ranks."""
+    count = x.shape[0] * dist.get_world_size() * target.shape[-1]
+    loss = F.mse_loss(model(x), target, reduction="sum") / count
     loss.backward()
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    return funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
+        dist.all_reduce(p.grad)
+    return funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD)
 
 
 def make_case(world_size: int = 2, bug: str | None = None) -> capture.Spec:
