@@ -102,9 +102,9 @@ class Registry:
     rules: list[Rule] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
-    # a family's SEEDS(gen) -> terms: seed terms the soundness harness adds (rules whose
-    # left side is a whole formula the random seeds never build)
-    seeders: list[Callable[..., Any]] = field(default_factory=list)
+    # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
+    # that family's rules (left sides that are whole formulas the random seeds never build)
+    seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
 
     def add_family(self, name: str, module: ModuleType) -> None:
         self.families.append(name)
@@ -114,7 +114,7 @@ class Registry:
             self.ops[op.name] = _with_family(op, name)
         self.decls.extend(getattr(module, "DECLS", []))
         if callable(getattr(module, "SEEDS", None)):
-            self.seeders.append(module.SEEDS)
+            self.seeders.append((name, module.SEEDS))
         self._pending.append((name, getattr(module, "RULES", [])))
 
     def finish(self) -> Registry:

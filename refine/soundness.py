@@ -336,10 +336,12 @@ class SeedGen:
                         out.append(t)
                         if self.rng.random() < 0.3:
                             out.extend(self.sliced(t))
-        # the families' own seeds (SEEDS), made last so the leaves above keep their values
-        for make in self.registry.seeders:
-            self.rng = random.Random(f"{self.seed}:{make.__module__}")
-            self.special_terms += make(self)
+        # the families' own seeds (SEEDS), for their own rules only (other rules keep their
+        # seeds); made last, so the leaves above keep their values
+        self.family_seeds: dict[str, list[Term]] = {}
+        for family, make in self.registry.seeders:
+            self.rng = random.Random(f"{self.seed}:{family}")
+            self.family_seeds[family] = [canonical(t) for t in make(self)]
         self.n_special = len(self.special_terms)
         return [canonical(t) for t in self.special_terms + out]
 
@@ -680,7 +682,8 @@ class Harness:
         """The seeds holding every constructor the rule's query names (at most
         `max_seeds`, a fixed random choice)."""
         heads = self.heads[rule.name]
-        special = [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
+        special = [s for s in self.gen.family_seeds.get(rule.family, []) if heads <= s.ops()]
+        special += [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
         fit = [s for s in self.seed_terms[self.gen.n_special:] if heads <= s.ops()]
         room = max(self.max_seeds - len(special), 0)
         if len(fit) > room:
