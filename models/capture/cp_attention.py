@@ -104,11 +104,12 @@ class RingAttention(torch.autograd.Function):
             kj, vj = kf[j * n:(j + 1) * n], vf[j * n:(j + 1) * n]
             ps.append(torch.exp(q @ kj.t() * SCALE - lse))  # the global softmax's block j
             dps.append(dout @ vj.t())
-        d = sum((dp * p).sum(-1, keepdim=True) for dp, p in zip(dps, ps, strict=True))
+        pdps = [dp * p for dp, p in zip(dps, ps, strict=True)]
+        d = sum(x.sum(-1, keepdim=True) for x in pdps)
         dq, dks, dvs = None, [], []
         for j in range(ctx.world):
             kj = kf[j * n:(j + 1) * n]
-            ds = (ps[j] * dps[j] - ps[j] * d) * SCALE  # P_j * (dP_j - D), in the softmax backward's two terms
+            ds = (pdps[j] - ps[j] * d) * SCALE  # P_j * (dP_j - D), in the softmax backward's two terms
             dq = ds @ kj if dq is None else dq + ds @ kj
             dks.append((q.t() @ ds).t())
             dvs.append(ps[j].t() @ dout)
