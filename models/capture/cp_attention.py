@@ -111,7 +111,7 @@ class RingAttention(torch.autograd.Function):
             kj = kf[j * n:(j + 1) * n]
             ds = (pdps[j] - ps[j] * d) * SCALE  # P_j * (dP_j - D), in the softmax backward's two terms
             dq = ds @ kj if dq is None else dq + ds @ kj
-            dks.append((q.t() @ ds).t())
+            dks.append(ds.t() @ q)
             dvs.append(ps[j].t() @ dout)
         dk = funcol.reduce_scatter_tensor(torch.cat(dks), "sum", 0, ctx.group)
         dv = funcol.reduce_scatter_tensor(torch.cat(dvs), "sum", 0, ctx.group)
