@@ -9,10 +9,8 @@ log-sum-exp. The rules are `rules/lse.py`; the checker fuses softmax into its us
 `refine.evaluate.differential` runs both programs (simulated collectives) to show the model
 is right and each twin wrong exactly where expected; the checker's verdicts are opt-in
 (REFINE_SLOW_TESTS=1): the steps over the fused softmax search the whole rank program (the
-merge lies ~20 ops downstream of the scores) and take minutes on 2 shared cores. The
-correct case does not refine yet (the query gradient's step finds no clean relation; see
-the README's "Context-parallel (ring) attention"): `test_ring_attention_refines` states the
-expected verdict and fails until that is fixed.
+merge lies ~20 ops downstream of the scores): the correct case REFINES in ~9 minutes on 2
+shared cores (measured); the twins' verdicts are stated, not yet measured.
 """
 
 from __future__ import annotations
