@@ -73,6 +73,11 @@ class Op:
     # tensor argument with the others fixed (matmul); "first", in the first one only
     # (x / y, a slice); "joint", in all of them together (Sum, cat); "" not linear.
     linear: str = ""
+    # A node of this op with no clean relation is seen by its users as the op over its
+    # inputs' clean relations (not an opaque leaf), and their steps search the rank program
+    # deeper (`refine.prove.DEEP_HOPS`): blockwise (online-softmax) attention never holds
+    # softmax's value, only what its users compute from it.
+    fuse: bool = False
 
     @property
     def cost(self) -> int:
@@ -101,6 +106,9 @@ class Registry:
     rules: list[Rule] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
+    # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
+    # that family's rules (left sides that are whole formulas the random seeds never build)
+    seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
 
     def add_family(self, name: str, module: ModuleType) -> None:
         self.families.append(name)
@@ -109,6 +117,8 @@ class Registry:
                 raise ValueError(f"rule family {name}: op {op.name!r} is already defined")
             self.ops[op.name] = _with_family(op, name)
         self.decls.extend(getattr(module, "DECLS", []))
+        if callable(getattr(module, "SEEDS", None)):
+            self.seeders.append((name, module.SEEDS))
         self._pending.append((name, getattr(module, "RULES", [])))
 
     def finish(self) -> Registry:

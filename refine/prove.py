@@ -26,6 +26,8 @@ from refine.relate import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
+DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
+DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -97,7 +99,7 @@ class Engine:
             raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
-             checks: Iterable[Term] = ()) -> StepResult:
+             checks: Iterable[Term] = (), iterations: int = 0) -> StepResult:
         """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
         and whether each of `checks` was proven equal to it.
@@ -118,11 +120,12 @@ class Engine:
         em.lines.append("(let $__mark (Mark $__seq))")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
         canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
-        key = hashlib.sha256(canon.encode()).hexdigest()
+        key = hashlib.sha256(f"{iterations}\n{canon}".encode()).hexdigest() if iterations else \
+            hashlib.sha256(canon.encode()).hexdigest()
         hit = self.cache.get(key)
         if hit is None:
             program, _, check_part = canon.partition("\n;checks\n")
-            hit = self._solve(program, check_part.split("\n") if check_texts else [])
+            hit = self._solve(program, check_part.split("\n") if check_texts else [], iterations or ITERATIONS)
             if len(self.cache) >= CACHE_SIZE:
                 self.cache.pop(next(iter(self.cache)))
             self.cache[key] = hit
@@ -137,11 +140,11 @@ class Engine:
         self.stats["seconds"] += dt
         return StepResult(best, hit.cost, found, list(hit.checks), dt)
 
-    def _solve(self, program: str, checks: list[str]) -> _Solved:
+    def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
         self._run("(push)")
         try:
             self._run(program)
-            ran = self._run(f"(run-schedule (repeat {ITERATIONS} (saturate (run shapes)) (run)))")
+            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))")
             fired = Counter({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
             out = self._run("(extract $__seq)\n(print-function Found 100000)")
             best_out = out[0]
@@ -396,30 +399,45 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     (expr.OPAQUE): an unclean term carried along would grow with every op after it and
     make each later e-graph larger, while it is already known not to be what the ranks
     hold. A node over an opaque input gets no wider retry: it cannot become clean by
-    finding more rank tensors for the inputs that are clean."""
+    finding more rank tensors for the inputs that are clean. The exception is a fused op
+    (`Op.fuse`: softmax, which blockwise attention never materialises): with no clean
+    relation near its inputs, its users see it as the op over its inputs' relations and
+    search the rank program `DEEP_HOPS` uses deep for their own counterpart."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
     shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
+    fusing = {name for name, op in registry.ops.items() if op.fuse}
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
-        tries = hops[:1] if OPAQUE in term.ops() else hops
+        ops = term.ops()
+        over_fused = any(a.ops() & fusing for a in term.args)
+        # a fused op's own relation is searched near its inputs only (if there is one
+        # further away, it is its users' business: they search deep)
+        tries = hops[:1] if OPAQUE in ops or n.op in fusing else hops
+        if OPAQUE not in ops and over_fused:
+            tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         res = None
         for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
-            res = engine.step(term, prog, registry, tensors)
+            res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
             if res.clean:
                 break
         assert res is not None
         shown[n.name] = res.best
-        clean[n.name] = res.clean
         steps[n.name] = res
         known |= res.best.leaves()
         if res.clean:
+            clean[n.name] = True
             down[n.name] = res.best
+        elif n.op in fusing and OPAQUE not in ops and not over_fused:
+            # its users see the op over its inputs' relations; left out of `clean`: whether
+            # it is right is decided at its users (localization passes over it)
+            down[n.name] = term
         else:
+            clean[n.name] = False
             prog.opaque[n.name] = n.type
             down[n.name] = opaque(n.name)
         for f in res.found:

@@ -43,7 +43,7 @@ from egglog import bindings
 from refine.evaluate import close, eval_term, helper_sorts, max_err
 from refine.expr import Term, lit, parse_sexp
 from refine.ir import TensorType
-from refine.opset import Registry, Rule, compile_text, load_registry
+from refine.opset import Registry, Rule, ShapeError, compile_text, load_registry
 
 ITERATIONS = 3
 
@@ -300,8 +300,13 @@ class SeedGen:
             return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
         if op.inputs > 0 and all(k.rstrip("?") == "dim" for _, k in op.attrs):
             # an op from a rule file refine has no sampler for: same-shape float arguments
-            # and a random dim for each dim attribute
-            return [(x, "f", 0)] * op.inputs, tuple(r.randrange(len(x)) for _ in op.attrs)
+            # and a random dim for each dim attribute (none if its shape rule refuses them)
+            specs, attrs = [(x, "f", 0)] * op.inputs, tuple(r.randrange(len(x)) for _ in op.attrs)
+            try:
+                op.shape([TensorType(x)] * op.inputs, {k: v for (k, _), v in zip(op.attrs, attrs, strict=True)})
+            except ShapeError:
+                return None
+            return specs, attrs
         return None
 
     def build(self, name: str, args: list[Term], attrs: tuple[Any, ...]) -> Term:
@@ -347,6 +352,12 @@ class SeedGen:
                         out.append(t)
                         if self.rng.random() < 0.3:
                             out.extend(self.sliced(t))
+        # the families' own seeds (SEEDS), for their own rules only (other rules keep their
+        # seeds); made last, so the leaves above keep their values
+        self.family_seeds: dict[str, list[Term]] = {}
+        for family, make in self.registry.seeders:
+            self.rng = random.Random(f"{self.seed}:{family}")
+            self.family_seeds[family] = [canonical(t) for t in make(self)]
         self.n_special = len(self.special_terms)
         return [canonical(t) for t in self.special_terms + out]
 
@@ -744,7 +755,8 @@ class Harness:
         """The seeds holding every constructor the rule's query names (at most
         `max_seeds`, a fixed random choice)."""
         heads = self.heads[rule.name]
-        special = [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
+        special = [s for s in self.gen.family_seeds.get(rule.family, []) if heads <= s.ops()]
+        special += [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
         fit = [s for s in self.seed_terms[self.gen.n_special:] if heads <= s.ops()]
         room = max(self.max_seeds - len(special), 0)
         if len(fit) > room:

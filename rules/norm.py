@@ -122,8 +122,9 @@ NORM_ATTRS = (("normalized_ndim", "int"), ("eps", "float"))
 SAME_EGG = "(rule ((= e (OP x ARGS)) (= s (shape x))) ((set (shape e) s)))"
 
 OPS = [
+    # fused: blockwise (online-softmax) attention never holds it, only what uses it (rules/lse.py)
     Op("softmax", 1, _along, (("dim", "dim"),), ref=lambda x, dim: torch.softmax(x, dim), core=True,
-       egglog_shape=SAME_EGG.replace("OP", "softmax").replace("ARGS", "d")),
+       egglog_shape=SAME_EGG.replace("OP", "softmax").replace("ARGS", "d"), fuse=True),
     Op("log_softmax", 1, _along, (("dim", "dim"),), ref=lambda x, dim: torch.log_softmax(x, dim),
        core=True, egglog_shape=SAME_EGG.replace("OP", "log_softmax").replace("ARGS", "d")),
     Op("layer_norm_c", 3, _norm_shape, NORM_ATTRS, ref=_ln_ref, core=True,
