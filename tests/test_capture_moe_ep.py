@@ -10,7 +10,6 @@ captured programs (simulated collectives) to show each twin is wrong exactly whe
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,9 +41,6 @@ def _module(name: str) -> ModuleType:
 
 
 MOE = _module("moe_ep")
-SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
-                          reason="the 4-rank check takes minutes on 2 shared cores (547 s measured, the sum/scale "
-                                 "algebra of the gradients): set REFINE_SLOW_TESTS=1")
 
 
 def line_of(snippet: str) -> str:
@@ -120,7 +116,6 @@ def test_the_correct_step_is_right_numerically(case: capture.Case) -> None:
     assert wrong_numerically(case) == set()
 
 
-@SLOW
 def test_moe_ep_on_four_ranks_refines() -> None:
     report = timed_capture(MOE.make_case(world_size=4, experts=8)).check()
     assert report.refines, report
