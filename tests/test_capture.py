@@ -6,10 +6,8 @@ captured programs (simulated collectives) to show each bug twin computes what it
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -17,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from capture_helpers import failing, line_of, load_model, wrong_numerically
 from click.testing import CliRunner
 from torch import nn
 
@@ -24,36 +23,14 @@ from refine import capture, check
 from refine.capture import CaptureError
 from refine.check import check_files
 from refine.cli import main
-from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 HERE = Path(__file__)
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_case_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TP = _module("tp_mlp")
-DDP = _module("ddp_mlp")
+TP = load_model("tp_mlp")
+DDP = load_model("ddp_mlp")
 GRADS = {f"{p}.grad" for p in ("ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
-
-
-def line_of(path: Path, snippet: str) -> str:
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ collectives, `refine.evaluate`) to show each twin is wrong exactly where the che
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from capture_helpers import failing, line_of, load_model
 from torch import nn
 
 from refine import capture
@@ -39,24 +38,7 @@ CE_PATH = MODELS / "vocab_ce.py"
 GRADS = {"fc.weight.grad", "fc.bias.grad", "head.weight.grad"}
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_ce_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CE = _module("vocab_ce")
-
-
-def line_of(path: Path, snippet: str) -> str:
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
+CE = load_model("vocab_ce")
 
 
 def wrong_numerically(case: capture.Case, ignored: bool = True) -> set[str]:

@@ -16,17 +16,15 @@ is stated, not yet measured.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
+import capture_helpers as helpers
 import pytest
 import torch
+from capture_helpers import failing, load_model, wrong_numerically
 
 from refine import capture
-from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
@@ -35,29 +33,11 @@ SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
 GRADS = {f"{p}.weight.grad" for p in "qkvo"}
 
 
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capture_cp_attention", MODELS / "cp_attention.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CP = _module()
+CP = load_model("cp_attention")
 
 
 def line_of(snippet: str) -> str:
-    path = MODELS / "cp_attention.py"
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
+    return helpers.line_of(MODELS / "cp_attention.py", snippet)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ and `refine.evaluate.differential` confirms each twin is numerically wrong where
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
+import capture_helpers as helpers
 import pytest
 import torch
+from capture_helpers import failing, load_model, wrong_numerically
 from click.testing import CliRunner
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -23,36 +23,18 @@ from refine.capture.annotate import DERIVERS, annotation_of
 from refine.capture.dtensor import derive
 from refine.check import check_files
 from refine.cli import main
-from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_case_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-DT = _module("dtensor_mlp")
+DT = load_model("dtensor_mlp")
 PATH = MODELS / "dtensor_mlp.py"
 PARAMS = ("ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
 GRADS = {f"{p}.grad" for p in PARAMS}
 
 
 def line_of(snippet: str, path: Path = PATH) -> str:
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: object) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}  # type: ignore[attr-defined]
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+    return helpers.line_of(path, snippet)
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from capture_helpers import load_model, wrong_numerically
 
 pytest.importorskip("transformers")
 
 from refine import capture  # noqa: E402
-from refine.evaluate import differential  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 PARAMS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
@@ -24,19 +22,7 @@ PARAMS = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
           "model.norm.weight", "lm_head.weight"]
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_case_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LLAMA = _module("hf_llama")
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+LLAMA = load_model("hf_llama")
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,14 @@ Skipped when megatron-core is not installed (it is in the `dev` extra).
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
+import capture_helpers as helpers
 import pytest
 import torch
+from capture_helpers import failing, load_model, wrong_numerically
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[dev]')")
 
@@ -26,37 +25,19 @@ from refine.capture import CaptureError, megatron  # noqa: E402
 from refine.capture.annotate import DERIVERS, annotation_of  # noqa: E402
 from refine.check import check_files  # noqa: E402
 from refine.cli import main  # noqa: E402
-from refine.evaluate import differential  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CASE = MODELS / "megatron_mlp.py"
 
 
-def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capture_case_megatron_mlp", CASE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 CURRENT_DEVICE = torch.cuda.current_device
-MM = _module()
+MM = load_model("megatron_mlp")
 GRADS = {f"{p}.grad" for p in ("ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 SP_PARAMS = {"ln.weight.grad", "ln.bias.grad", "fc2.bias.grad"}  # marked sequence_parallel under SP
 
 
 def line_of(snippet: str) -> str:
-    n = next(i for i, text in enumerate(CASE.read_text().splitlines(), 1) if snippet in text)
-    return f"{CASE.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+    return helpers.line_of(CASE, snippet)
 
 
 @pytest.fixture(scope="module")

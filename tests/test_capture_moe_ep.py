@@ -9,20 +9,18 @@ captured programs (simulated collectives) to show each twin is wrong exactly whe
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
+import capture_helpers as helpers
 import pytest
 import torch
+from capture_helpers import failing, load_model, wrong_numerically
 from torch import nn
 
 from refine import capture, check
 from refine.capture import CaptureError
-from refine.evaluate import differential
 from refine.opset import Rule, load_registry, rewrite
 from refine.soundness import Harness
 
@@ -32,28 +30,11 @@ EXPERTS = {f"experts.{p}.grad" for p in ("w1", "b1", "w2", "b2")}
 GRADS = {"gate.weight.grad"} | EXPERTS
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_moe_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MOE = _module("moe_ep")
+MOE = load_model("moe_ep")
 
 
 def line_of(snippet: str) -> str:
-    n = next(i for i, text in enumerate(PATH.read_text().splitlines(), 1) if snippet in text)
-    return f"{PATH.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+    return helpers.line_of(PATH, snippet)
 
 
 def timed_capture(spec: capture.Spec) -> capture.Case:

@@ -15,16 +15,13 @@ captured programs (simulated collectives) to show each twin is wrong exactly whe
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 import pytest
+from capture_helpers import failing, line_of, load_model, wrong_numerically
 
 from refine import capture, check
-from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 EXPERTS = {f"experts.{p}.grad" for p in ("w1", "b1", "w2", "b2")}
@@ -32,29 +29,8 @@ MOE_GRADS = {"ln.weight.grad", "ln.bias.grad", "gate.weight.grad"} | EXPERTS
 FSDP_GRADS = {f"{p}.grad" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_parallel_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MOE = _module("moe_router")
-FSDP = _module("fsdp_mlp")
-
-
-def line_of(path: Path, snippet: str) -> str:
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+MOE = load_model("moe_router")
+FSDP = load_model("fsdp_mlp")
 
 
 def timed_capture(spec: capture.Spec) -> capture.Case:

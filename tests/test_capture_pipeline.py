@@ -10,21 +10,20 @@ rank outputs (an output only some ranks make)."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import capture_helpers as helpers
 import pytest
 import torch
 import torch.distributed as dist
+from capture_helpers import failing, load_model, wrong_numerically
 from torch import nn
 
 from refine import capture
 from refine.build import write_case
 from refine.capture.errors import CaptureError
-from refine.evaluate import differential
 from refine.format import InputError, load_dist, load_seq
 from refine.opset import load_registry
 
@@ -32,29 +31,11 @@ MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 SCHEMA = Path(__file__).resolve().parent.parent / "refine" / "schema" / "graph-v1.json"
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_pipeline_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PP = _module("pp_tied")
+PP = load_model("pp_tied")
 
 
 def line_of(snippet: str) -> str:
-    path = MODELS / "pp_tied.py"
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+    return helpers.line_of(MODELS / "pp_tied.py", snippet)
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +174,7 @@ def test_a_send_nobody_receives_is_refused_at_its_line() -> None:
 
 
 def line_of_test(snippet: str) -> str:
-    path = Path(__file__)
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
+    return helpers.line_of(Path(__file__), snippet)
 
 
 def _backward(loss: torch.Tensor) -> torch.Tensor:

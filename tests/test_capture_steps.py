@@ -9,7 +9,6 @@ checker says.
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 from types import ModuleType
@@ -18,39 +17,18 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from capture_helpers import failing, line_of, load_model, wrong_numerically
 
 from refine import capture
-from refine.evaluate import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 
 
-def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"capture_steps_{name}", MODELS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ACCUM = _module("accum_mlp")
-CLIP = _module("clip_mlp")
+ACCUM = load_model("accum_mlp")
+CLIP = load_model("clip_mlp")
 DP_GRADS = {f"{p}.grad" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 TP_GRADS = DP_GRADS | {"ln.weight.grad", "ln.bias.grad"}
 SECONDS: dict[str, float] = {}  # capture times, printed by test_capture_times
-
-
-def line_of(path: Path, snippet: str) -> str:
-    n = next(i for i, text in enumerate(path.read_text().splitlines(), 1) if snippet in text)
-    return f"{path.name}:{n}"
-
-
-def failing(report: Any) -> set[str]:
-    return {o.name for o in report.outputs if not o.ok}
-
-
-def wrong_numerically(case: capture.Case) -> set[str]:
-    return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
 
 
 def captured(module: ModuleType, **kw: Any) -> capture.Case:
