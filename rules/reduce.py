@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from refine.expr import Term
 from refine.ir import Arg, TensorType
 from refine.normalize import Builder
 from refine.opset import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
@@ -132,6 +133,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
             rewrite(f"slice-into-{op}", f"(slice ({op} x d2) d s e)",
                     f"({op} (slice x d s e) d2)", "(!= d d2)"),
         ]
+    # a reduction over a dim of size 1 keeps the tensor (a GQA rank holding one query head
+    # per kv head: its repeat_kv's backward sums over a size-1 dim, the sequential one's does not)
+    out += [rewrite(f"{op}-size-one", f"({op} x d)", "x", "(= (size x d) (dim 1))") for op in ("rsum", "rmax", "rmean")]
     out += [
         rule("rsum-sum", ["(= e (rsum (Sum ms) d))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"RsumBy\" d) ms)))"]),
@@ -168,3 +172,15 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
 
 DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})",
          f"(constructor RmeanBy (i64 T) T :cost {HELPER})"]
+
+
+def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Reductions over a dim of size 1 (rarely drawn by the generic seeds in symbolic mode)."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        shape = list(gen.dims(3))
+        d = gen.rng.randrange(3)
+        shape[d] = 1
+        x = gen.leaf(tuple(shape))
+        out += [Term(op, (x,), (d,)) for op in ("rsum", "rmax", "rmean")]
+    return out

@@ -103,6 +103,25 @@ def _expand(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType)
     return b.broadcast(args[0], out.shape)
 
 
+def _repeat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    reps = tuple(attrs["repeats"])
+    if len(reps) < x.ndim or any(r < 0 for r in reps):
+        raise ShapeError(f"repeat of a {x.ndim}-d tensor by {list(reps)}")
+    padded = (1,) * (len(reps) - x.ndim) + tuple(x.shape)
+    return TensorType(tuple(r * s for r, s in zip(reps, padded, strict=True)), x.dtype)
+
+
+def _repeat(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    """Tiling: each dim of size s becomes (r, s) with the copies outermost, broadcast, merged."""
+    (x,) = args
+    reps = tuple(attrs["repeats"])
+    padded = (1,) * (len(reps) - b.type(x).ndim) + tuple(b.type(x).shape)  # type: ignore[arg-type]
+    split = b.view(x, tuple(d for s in padded for d in (1, s)))  # type: ignore[arg-type]
+    tiled = b.broadcast(split, tuple(d for r, s in zip(reps, padded, strict=True) for d in (r, s)))
+    return b.view(tiled, out.shape)
+
+
 def _ref_view(x, shape):
     return x.reshape(shape)
 
@@ -122,6 +141,8 @@ OPS = [
     Op("expand_as_shape", 1, _expand_user_shape, (("shape", "ints"),),
        ref=lambda x, shape: x.expand(shape), decompose=_expand,
        doc="torch's expand, with -1 for kept dims"),
+    Op("repeat", 1, _repeat_shape, (("repeats", "ints"),), ref=lambda x, repeats: x.repeat(*repeats),
+       decompose=_repeat, doc="torch's repeat (tiling): a broadcast of x between size-1 dims, merged"),
 ]
 
 
