@@ -532,6 +532,22 @@ class EntangleEmitter(Emitter):
         raise self.fail(f"unknown op: auto_functionalized({op}) output {k} has no refine mapping")
 
 
+_VIEWS = ("view", "_unsafe_view", "reshape", "alias", "as_strided", "expand", "permute", "transpose", "t", "slice",
+          "select", "unsqueeze", "squeeze")
+
+
+def _buffer_view(n: fx.Node) -> bool:
+    """An uninitialised buffer, or a view of one."""
+    while isinstance(n, fx.Node) and isinstance(n.target, torch._ops.OpOverload):
+        name = aten.base_name(n.target)
+        if name in _BUFFERS:
+            return True
+        if name not in _VIEWS or not n.args:
+            return False
+        n = n.args[0]
+    return False
+
+
 def _is_arange(node: Any, n: int) -> bool:
     if not isinstance(node, fx.Node) or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -589,9 +605,10 @@ def convert_dump(pg: PGraph, registry: Registry, ranks: list[int], sequential: b
     try:
         # in program order, so each node's inputs are translated already (no deep recursion)
         for n in g.nodes:
-            # (buffers are translated only where read as values: most are only written to)
+            # (buffers and their views are translated only where read as values: most are only
+            # written to, like a vLLM op's `output=view(empty_like(q))`)
             if n in live and n.op == "call_function" and not isinstance(n.meta.get("val"), list) and \
-                    not (isinstance(n.target, torch._ops.OpOverload) and aten.base_name(n.target) in _BUFFERS):
+                    not _buffer_view(n):
                 em.value(n)
         for i, r in enumerate(results):
             refs.append(em.value(r) if isinstance(r, fx.Node) and (wanted is None or i in wanted) else None)
