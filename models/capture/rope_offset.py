@@ -11,7 +11,7 @@ loss. Each rank holds a contiguous chunk of `T / world` tokens (sequence / conte
 parallel: the tokens and targets are Shard(0), the weights and tables Replicate) and must
 slice the tables at its chunk's first global position, `rank * T / world`. The loss is each
 rank's squared error over the global element count; gradients and loss are summed over the
-ranks. `make_case(positions=True)` reads the tables by a position-id tensor instead
+ranks (`backward=False`: the loss alone). `make_case(positions=True)` reads the tables by a position-id tensor instead
 (`cos[position_ids]`, Hugging Face's form): the ranks make `arange(offset, offset + n)`.
 
 `make_case(bug=...)`:
@@ -104,7 +104,18 @@ def chunk_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) ->
     return funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD)
 
 
-def make_case(world_size: int = 2, bug: str | None = None, positions: bool = False) -> capture.Spec:
+def forward_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loss alone (no backward)."""
+    return F.mse_loss(model(x), target)
+
+
+def chunk_forward_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    count = x.shape[0] * dist.get_world_size() * target.shape[-1]
+    return funcol.all_reduce(F.mse_loss(model(x), target, reduction="sum") / count, "sum", dist.group.WORLD)
+
+
+def make_case(world_size: int = 2, bug: str | None = None, positions: bool = False,
+              backward: bool = True) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     torch.manual_seed(0)
@@ -114,8 +125,9 @@ def make_case(world_size: int = 2, bug: str | None = None, positions: bool = Fal
 
     def rank(r: int) -> capture.Step:
         shard = {k: capture.shard(v[r * n:(r + 1) * n], 0, axis="sp") for k, v in (("x", x), ("target", target))}
-        return capture.Step(ChunkRope(seq, r, bug), chunk_train_step, shard)
+        return capture.Step(ChunkRope(seq, r, bug), chunk_train_step if backward else chunk_forward_step, shard)
 
-    name = f"rope_offset{'_ids' if positions else ''}{'_bug_' + bug if bug else ''}"
-    return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "target": target}), rank=rank,
+    name = f"rope_offset{'_ids' if positions else ''}{'' if backward else '_forward'}{'_bug_' + bug if bug else ''}"
+    seq_step = capture.Step(seq, train_step if backward else forward_step, {"x": x, "target": target})
+    return capture.Spec(sequential=seq_step, rank=rank,
                         world_size=world_size, mesh={"sp": world_size}, name=name)
