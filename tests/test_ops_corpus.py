@@ -554,6 +554,10 @@ IMPORTED: dict[str, str] = {
     "its shape",
     "aten.index.Tensor[2 indices]": "x[arange(n), ids] on a 2-d x is gather(x, ids[:, None], dim=1) "
     "(EntangleEmitter._index; any other pair of index tensors is refused, exit 2)",
+    "aten.index_put.default[bool mask]": "x[mask] = v with a bool mask over x's leading dims and one value is "
+    "where(mask, v, x), masked_fill for a constant v (EntangleEmitter._index_put)",
+    "aten.index_put.default[2 indices]": "x[arange(n), ids] = v on a 2-d x is where(column == ids[:, None], v, x) "
+    "(EntangleEmitter._index_put; other pairs refused)",
 }
 
 
@@ -601,6 +605,10 @@ def test_every_corpus_call_target_is_covered() -> None:
             elif n.target == "aten.index.Tensor":
                 k = sum(isinstance(i, NodeRef) for i in n.args[1])
                 calls[n.target if k == 1 else f"{n.target}[{k} indices]"] += 1
+            elif n.target == "aten.index_put.default":
+                idx = [i for i in n.args[1] if isinstance(i, NodeRef)]
+                form = "bool mask" if len(idx) == 1 and g.index[idx[0].name].dtype == "bool" else f"{len(idx)} indices"
+                calls[f"{n.target}[{form}]"] += 1
             else:
                 calls[n.target] += 1
     assert len(calls) > 70
@@ -764,17 +772,45 @@ def _two_index_case() -> tuple[Any, dict[str, torch.Tensor], Reference]:
     return d.graph(y), vals, lambda v: [v["x"][torch.arange(4), v["ids"]]]
 
 
+def _index_put_mask_case() -> tuple[Any, dict[str, torch.Tensor], Reference]:
+    d = _Dump()
+    x, mask, v = d.input("x", [4, 3]), d.input("mask", [4], "bool"), d.input("v", [])
+    y = d.call("index_put", "aten.index_put.default", x, [mask], v, shape=[4, 3])
+    zero = d.call("full", "aten.full.default", [], 0.0, shape=[], dtype="float32", pin_memory=False)
+    z = d.call("index_put_1", "aten.index_put.default", x, [mask], zero, shape=[4, 3])
+    vals = {"x": torch.randn(4, 3, dtype=torch.float64), "mask": torch.tensor([True, False, False, True]),
+            "v": torch.tensor(2.5, dtype=torch.float64)}
+
+    def ref(t: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [t["x"].index_put((t["mask"],), t["v"]), t["x"].index_put((t["mask"],), torch.tensor(0.0).double())]
+
+    return d.graph(y, z), vals, ref
+
+
+def _index_put_two_case() -> tuple[Any, dict[str, torch.Tensor], Reference]:
+    d = _Dump()
+    x, ids, v = d.input("x", [4, 5]), d.input("ids", [4], "int64"), d.input("v", [4])
+    ar = d.call("arange", "aten.arange.start", 0, 4, shape=[4], dtype="int64", pin_memory=False)
+    y = d.call("index_put", "aten.index_put.default", x, [ar, ids], v, shape=[4, 5])
+    vals = {"x": torch.randn(4, 5, dtype=torch.float64), "ids": torch.tensor([4, 0, 2, 2]),
+            "v": torch.randn(4, dtype=torch.float64)}
+    return d.graph(y), vals, lambda t: [t["x"].index_put((torch.arange(4), t["ids"]), t["v"])]
+
+
 IMPORTER_CASES: dict[str, Callable[[], tuple[Any, dict[str, torch.Tensor], Reference]]] = {
     "aten.native_dropout.default": _dropout_case,
     "aten.empty.memory_format": _empty_case,
     "aten.empty_like.default": _empty_like_case,
     "aten.new_empty_strided.default": _new_empty_strided_case,
     "aten.index.Tensor[2 indices]": _two_index_case,
+    "aten.index_put.default[bool mask]": _index_put_mask_case,
+    "aten.index_put.default[2 indices]": _index_put_two_case,
 }
 LIFTED = {"aten.native_dropout.default": [("mask0", "mask", (4, 6), "bool")],
           "aten.empty.memory_format": [("const0", "const", (32,), "float32")]}
 TRANSLATED_TO = {"aten.native_dropout.default": "dropout_masked", "aten.empty.memory_format": "vllm_silu_and_mul",
-                 "aten.empty_like.default": "vllm_attention", "aten.index.Tensor[2 indices]": "gather"}
+                 "aten.empty_like.default": "vllm_attention", "aten.index.Tensor[2 indices]": "gather",
+                 "aten.index_put.default[bool mask]": "masked_fill", "aten.index_put.default[2 indices]": "where"}
 
 
 def test_every_importer_entry_has_a_case() -> None:
@@ -792,7 +828,8 @@ def test_importer_mechanism(tmp_path: Path, target: str) -> None:
     assert [(x.name, x.kind, tuple(x.shape), x.dtype) for x in imp.lifted] == LIFTED.get(target, [])
     assert {i["name"] for i in imp.graph["inputs"]} == set(vals)
     ops = {n["op"] for n in imp.graph["nodes"]}
-    assert not any(o in ops for o in ("empty", "empty_like", "new_empty_strided", "native_dropout", "index"))
+    assert not any(o in ops for o in ("empty", "empty_like", "new_empty_strided", "native_dropout", "index",
+                                      "index_put"))
     if target in TRANSLATED_TO:
         assert TRANSLATED_TO[target] in ops, ops
     imp.graph["outputs"] = [{"name": f"out{i}", "ref": r, "role": "other"} for i, r in enumerate(imp.outputs)]
