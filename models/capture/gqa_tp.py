@@ -19,6 +19,11 @@ parallel split, with the output all-reduced) and the key/value heads they read:
   split over both axes. Each rank's k/v gradient only sees its own query heads, so the step
   all-reduces it over the "rep" group after backward (the gradient of a replicated weight).
 
+`make_case(select=True)` (replicated regime) is the other common layout: every rank holds the
+whole k/v projections (Replicate) and picks its kv head's columns, `r // (world / kv_heads)`;
+each rank's k/v gradient holds its share in its head's rows, so the step sums them over all
+ranks.
+
 `make_case(bug=...)`:
 
 - "kv_grad_not_summed" (replicated regime): the step skips that all-reduce, so each replica
@@ -26,7 +31,9 @@ parallel split, with the output all-reduced) and the key/value heads they read:
 - "kv_heads_tiled": the rank expands its key/value heads with `repeat` (k0, k1, k0, k1)
   instead of `repeat_interleave` (k0, k0, k1, k1), so a query head reads another group's
   key/value head (needs at least two KV heads per rank: the split regime with
-  kv_heads >= 2 * world).
+  kv_heads >= 2 * world);
+- "wrong_kv_head" (select layout): ranks pick kv heads round-robin, `r % kv_heads`, so a
+  query head attends with another group's keys and values.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from torch import nn
 from refine import capture
 
 T, D, HEAD = 6, 8, 2  # tokens, model size, head size
-BUGS = ("kv_grad_not_summed", "kv_heads_tiled")
+BUGS = ("kv_grad_not_summed", "kv_heads_tiled", "wrong_kv_head")
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -93,7 +100,7 @@ class TPGQA(nn.Module):
     """Rank r's part: query heads [r * heads / world, (r + 1) * heads / world) and the
     key/value heads they read (their own, or one head shared with the rank's "rep" group)."""
 
-    def __init__(self, seq: GQA, rank: int, world: int, bug: str | None) -> None:
+    def __init__(self, seq: GQA, rank: int, world: int, bug: str | None, select: bool = False) -> None:
         super().__init__()
         heads, kv = seq.heads, seq.kv_heads
         self.local_heads = heads // world
@@ -122,7 +129,15 @@ class TPGQA(nn.Module):
             else:
                 capture.shard(w, 0, "tp")
         self.register_buffer("mask", capture.replicate(torch.ones(T, T, dtype=torch.bool).triu(1)))
-        self.bug = bug
+        self.bug, self.pick = bug, None
+        if select:  # whole k/v projections on every rank; the rank picks its kv head's columns
+            self.k, self.v = nn.Linear(D, kv * HEAD, bias=False), nn.Linear(D, kv * HEAD, bias=False)
+            self.k.load_state_dict(seq.k.state_dict())
+            self.v.load_state_dict(seq.v.state_dict())
+            for w in (self.k.weight, self.v.weight):
+                capture.replicate(w)
+            self.kv = kv
+            self.pick = rank % kv if bug == "wrong_kv_head" else first_kv  # the bug: kv heads dealt round-robin
 
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         n_rep = self.local_heads // self.local_kv
@@ -132,8 +147,12 @@ class TPGQA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q(x).view(T, self.local_heads, HEAD).transpose(0, 1)
-        k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)
-        v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)
+        if self.pick is None:
+            k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)
+            v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)
+        else:
+            k = self.k(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
+            v = self.v(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
         y = attention(q, self.expand(k), self.expand(v), self.mask)
         y = self.o(y.transpose(0, 1).reshape(T, self.local_heads * HEAD))
         return ReduceFromTP.apply(y, dist.group.WORLD)
@@ -155,7 +174,8 @@ def tp_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, rep_g
     return loss
 
 
-def make_case(world_size: int = 2, heads: int = 4, kv_heads: int = 2, bug: str | None = None) -> capture.Spec:
+def make_case(world_size: int = 2, heads: int = 4, kv_heads: int = 2, bug: str | None = None,
+              select: bool = False) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     if heads % kv_heads or heads % world_size or (kv_heads % world_size and world_size % kv_heads):
@@ -163,6 +183,8 @@ def make_case(world_size: int = 2, heads: int = 4, kv_heads: int = 2, bug: str |
                          "the next")
     if bug == "kv_grad_not_summed" and kv_heads >= world_size:
         raise ValueError("kv_grad_not_summed needs replicated kv heads (kv_heads < world_size)")
+    if (select or bug == "wrong_kv_head") and (kv_heads >= world_size or not select):
+        raise ValueError("select (and its twin wrong_kv_head) is a replicated-kv layout: kv_heads < world_size")
     if bug == "kv_heads_tiled" and kv_heads < 2 * world_size:
         raise ValueError("kv_heads_tiled needs at least two kv heads per rank (kv_heads >= 2 * world_size)")
     torch.manual_seed(0)
@@ -171,13 +193,15 @@ def make_case(world_size: int = 2, heads: int = 4, kv_heads: int = 2, bug: str |
     replicated = kv_heads < world_size
     rep = world_size // kv_heads if replicated else 1
     mesh = {"kv": kv_heads, "rep": rep} if replicated else {"tp": world_size}
-    name = f"gqa_tp{world_size}_h{heads}_kv{kv_heads}{'_bug_' + bug if bug else ''}"
+    name = f"gqa_tp{world_size}_h{heads}_kv{kv_heads}{'_select' if select else ''}{'_bug_' + bug if bug else ''}"
 
     def rank(r: int) -> capture.Step:
         groups = [dist.new_group([g * rep + i for i in range(rep)]) for g in range(kv_heads)] if replicated else []
-        group = groups[r // rep] if replicated else None
+        # the ranks sharing a kv head sum their shares of its gradient; with whole projections
+        # (select) every rank holds every head's rows, so all ranks sum them
+        group = dist.group.WORLD if select else groups[r // rep] if replicated else None
         data = {k: capture.replicate(v.clone()) for k, v in (("x", x), ("target", target))}
-        return capture.Step(TPGQA(seq, r, world_size, bug),
+        return capture.Step(TPGQA(seq, r, world_size, bug, select),
                             lambda m, **kw: tp_train_step(m, **kw, rep_group=group, bug=bug), data)
 
     return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "target": target}), rank=rank,
