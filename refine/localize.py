@@ -5,6 +5,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from refine.expr import Term
+from refine.factor import wrong_factor
 from refine.ir import Dist, Graph, Node, tensor_name
 from refine.normalize import lower
 from refine.opset import Registry
@@ -134,8 +135,6 @@ def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[Outp
         return tensor_name(r, renames[r].get(name, name))
 
     exact = {find(rel.attrs[0]) for n, rel in inf.relations.items() if rel.op == "D" and inf.clean.get(n, False)}
-    from refine.factor import wrong_factor  # imports torch: only a failing check pays for it
-
     found = wrong_factor(seq, dist, registry, [r.name for r in failing],
                          proven=lambda r, name: find(core_name(r, name)) in exact)
     if found is None or not found.source:
