@@ -116,6 +116,20 @@ class Replayer:
     def __init__(self, prog: DistProgram, stats: dict[str, float], fired: Counter[str]) -> None:
         self.prog, self.stats, self.fired = prog, stats, fired
         self.memo: dict[Hashable, list[tuple[Premises, StepResult]]] = {}
+        self._defs: dict[str, Term | None] = {}  # rank tensor -> its definition over representatives
+        self._unions = -1  # how many unions `_defs` was computed under
+
+    def _def(self, y: str) -> Term | None:
+        """`canon` of y's definition, kept until the next union of two classes (each union
+        adds one entry to the union-find's parent map, and nothing else does)."""
+        unions = len(self.prog.same.parent)
+        if unions != self._unions:
+            self._defs.clear()
+            self._unions = unions
+        if y not in self._defs:
+            d = self.prog.defs.get(y)
+            self._defs[y] = None if d is None else canon(d, self.prog.same.find)
+        return self._defs[y]
 
     def key(self, term: Term) -> Hashable:
         """The term's ops and attributes, its leaves numbered by first appearance, their shapes."""
@@ -201,9 +215,9 @@ class Replayer:
         """Rename d's inputs after the definition of a member of pi(r)'s class."""
         prog = self.prog
         for y in prog.same.group(pi[("D", r)]):
-            dy = prog.defs.get(y)
+            dy = self._def(y)
             ext: dict[Name, str] = {}
-            if dy is not None and _match(d, canon(dy, prog.same.find), pi, ext):
+            if dy is not None and _match(d, dy, pi, ext):
                 pi.update(ext)
                 return True
         return False
@@ -217,18 +231,20 @@ class Replayer:
         if not mapped:
             return r if not d.leaves() else None
         taken = set(pi.values())
-        users = [u for m in prog.same.group(pi[("D", mapped[0])]) for u in prog.users.get(m, ())]
+        # the users of the renamed input with the fewest (not a tensor every layer reads)
+        users = min(([u for m in prog.same.group(pi[("D", x)]) for u in prog.users.get(m, ())] for x in mapped), key=len)
         # first the tensor itself, over the inputs not renamed yet (a user of a tensor every
         # layer shares, kept from the earlier layer), then any user that matches
         same = {("D", x): x for x in d.leaves() if ("D", x) not in pi}
-        if not taken & set(same.values()) and find(r) not in taken and \
-                any(canon(du, find) == rename(d, pi | same) for y in prog.same.group(r) if (du := prog.defs.get(y))):
-            pi.update(same)
-            return find(r)
+        if not taken & set(same.values()) and find(r) not in taken:
+            want = rename(d, pi | same)
+            if any(self._def(y) == want for y in prog.same.group(r)):
+                pi.update(same)
+                return find(r)
         for u in users:
-            du = prog.defs.get(u)
+            du = self._def(u)
             ext: dict[Name, str] = {}
-            if du is None or find(u) in taken or not _match(d, canon(du, find), pi, ext):
+            if du is None or find(u) in taken or not _match(d, du, pi, ext):
                 continue
             if len(set(ext.values())) == len(ext) and not taken & set(ext.values()):
                 pi.update(ext)
@@ -253,7 +269,6 @@ class Replayer:
                 return False
         for r, d in prem.defs:
             want = rename(d, pi)
-            if not any((dy := prog.defs.get(y)) is not None and canon(dy, find) == want
-                       for y in prog.same.group(pi[("D", r)])):
+            if not any(self._def(y) == want for y in prog.same.group(pi[("D", r)])):
                 return False
         return rename(prem.seq, pi) == target
