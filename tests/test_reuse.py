@@ -12,11 +12,14 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
+from refine.importer.entangle import import_case
 from refine.opset import load_registry
 from refine.report import Report
 from refine.reuse import Replayer
 
 T, H, F = 4, 8, 16
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
+RELATIONS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"
 
 
 def _stack(tmp_path: Path, layers: int = 3, world: int = 2, bug_layer: int | None = None) -> tuple[Path, Path]:
@@ -138,3 +141,17 @@ def test_a_wrong_renaming_is_never_used(tmp_path: Path, monkeypatch: pytest.Monk
     assert report.refines, str(report)
     assert False in calls  # some skewed renamings were tried and turned down
     assert replayed <= calls.count(True)
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
+def test_aws_llama_second_layer_is_replayed(tmp_path: Path) -> None:
+    """Neuron Llama-3, two layers, TP2: the second layer's 75 sequential nodes are replayed
+    from the first's steps (measured: 126 e-graph steps, 87 replayed; one layer alone takes
+    125 e-graph steps), and the logits still refine."""
+    case = import_case(CORPUS / "aws_llama" / "tp1_layer2", CORPUS / "aws_llama" / "tp2_layer2",
+                       RELATIONS / "aws_llama.json")
+    case.write(tmp_path)
+    report, replayed, steps = _check((tmp_path / "seq.json", tmp_path / "dist.json"))
+    assert report.refines, str(report)
+    assert replayed >= 60, (replayed, steps)
+    assert report.stats["replayed"] == replayed
