@@ -410,7 +410,12 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     finding more rank tensors for the inputs that are clean. The exception is a fused op
     (`Op.fuse`: softmax, which blockwise attention never materialises): with no clean
     relation near its inputs, its users see it as the op over its inputs' relations and
-    search the rank program `DEEP_HOPS` uses deep for their own counterpart."""
+    search the rank program `DEEP_HOPS` uses deep for their own counterpart.
+
+    With `replay`, a node whose term has the shape of an earlier clean step's is first
+    offered to `refine.reuse.Replayer`: that step's premises renamed onto this node, each
+    checked against the rank program, give its result renamed (a repeated layer is proven
+    once); when they do not hold, the node is proven as usual."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
     shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}

@@ -182,6 +182,7 @@ class Replayer:
         """A renaming of the premises' names onto this program: the sequential terms matched,
         then each definition matched against the renamed tensor's (or, when only its inputs
         are renamed yet, looked up among their users). A guess: `_valid` decides."""
+        find = self.prog.same.find  # a name kept is renamed to its class's representative now
         pi: dict[Name, str] = {}
         ext: dict[Name, str] = {}
         if not _match(prem.seq, target, pi, ext):
@@ -203,10 +204,10 @@ class Replayer:
                 # a definition over tensors the node's own do not lead to (the frontier took
                 # in another user of a shared tensor): kept as it is, if it still holds
                 r, _ = rest[0]
-                pi[("D", r)] = r
+                pi[("D", r)] = find(r)
             todo = rest
         for r, _ in prem.shapes:
-            pi.setdefault(("D", r), r)
+            pi.setdefault(("D", r), find(r))
         for u, _ in prem.opaque:
             pi.setdefault((OPAQUE, u), u)
         return pi
@@ -229,14 +230,14 @@ class Replayer:
         prog, find = self.prog, self.prog.same.find
         mapped = sorted(x for x in d.leaves() if ("D", x) in pi)
         if not mapped:
-            return r if not d.leaves() else None
+            return find(r) if not d.leaves() else None
         taken = set(pi.values())
         # the users of the renamed input with the fewest (not a tensor every layer reads)
         users = min(([u for m in prog.same.group(pi[("D", x)]) for u in prog.users.get(m, ())] for x in mapped), key=len)
         # first the tensor itself, over the inputs not renamed yet (a user of a tensor every
         # layer shares, kept from the earlier layer), then any user that matches
-        same = {("D", x): x for x in d.leaves() if ("D", x) not in pi}
-        if not taken & set(same.values()) and find(r) not in taken:
+        same = {("D", x): find(x) for x in d.leaves() if ("D", x) not in pi}
+        if len(set(same.values())) == len(same) and not taken & set(same.values()) and find(r) not in taken:
             want = rename(d, pi | same)
             if any(self._def(y) == want for y in prog.same.group(r)):
                 pi.update(same)
