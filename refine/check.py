@@ -56,7 +56,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
         raise InputError(dist_file, "$.ranks", str(e)) from None
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
     engine = engine_for(registry, is_symbolic(seq, dist))
-    steps0 = engine.stats["steps"]
+    steps0, replayed0 = engine.stats["steps"], engine.stats["replayed"]
     inf = infer(seq_core, inputs, prog, engine, registry)
 
     explicit = {e.output: e for e in dist.expectations}
@@ -81,6 +81,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
+             "replayed": int(engine.stats["replayed"] - replayed0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))

@@ -23,6 +23,7 @@ from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, 
 from refine.ir import Graph, Node
 from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
 from refine.relate import DistProgram, term_type
+from refine.reuse import Premises, Replayer
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
@@ -38,6 +39,7 @@ class StepResult:
     found: list[str]
     checks: list[bool]
     seconds: float
+    premises: Premises | None = None  # what the step's e-graph was told (refine.reuse replays it)
 
     @property
     def clean(self) -> bool:
@@ -48,7 +50,7 @@ class StepResult:
 class Engine:
     registry: Registry
     symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
-    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0})
+    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0, "replayed": 0})
     cache: dict[str, _Solved] = field(default_factory=dict)
     fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
 
@@ -114,6 +116,7 @@ class Engine:
             em.define(name)
         for out_name, tensor in prog.outputs.items():
             if prog.same.find(tensor) in em.shaped:
+                em.outputs = True
                 em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
         root = em.term(seq, typed=True)
         em.lines.append(f"(let $__seq {root})")
@@ -138,7 +141,9 @@ class Engine:
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
-        return StepResult(best, hit.cost, found, list(hit.checks), dt)
+        premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired) \
+            if not check_texts else None
+        return StepResult(best, hit.cost, found, list(hit.checks), dt, premises)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
         self._run("(push)")
@@ -212,6 +217,8 @@ class _Emitter:
         self.names: dict[Term, str] = {}
         self.shaped: set[str] = set()
         self.opaque: set[str] = set()
+        self.defined: list[str] = []  # tensors whose definitions the program states, in order
+        self.outputs = False  # whether it relates rank outputs (Out leaves)
 
     def leaf(self, name: str) -> str:
         name = self.prog.same.find(name)
@@ -225,6 +232,7 @@ class _Emitter:
         d = self.prog.defs.get(name)
         lhs = self.leaf(name)
         if d is not None:
+            self.defined.append(name)
             self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
 
     def term(self, t: Term, typed: bool, inline: bool = False) -> str:
@@ -393,7 +401,7 @@ def _constant_closure(prog: DistProgram, name: str) -> list[str]:
 
 
 def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry,
-          hops: tuple[int, ...] = (3, 8)) -> Inference:
+          hops: tuple[int, ...] = (3, 8), replay: bool = True) -> Inference:
     """Relate every sequential node, in topological order. A node with no clean relation
     keeps its best term for the report, but the nodes using it see it as an opaque leaf
     (expr.OPAQUE): an unclean term carried along would grow with every op after it and
@@ -402,13 +410,20 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     finding more rank tensors for the inputs that are clean. The exception is a fused op
     (`Op.fuse`: softmax, which blockwise attention never materialises): with no clean
     relation near its inputs, its users see it as the op over its inputs' relations and
-    search the rank program `DEEP_HOPS` uses deep for their own counterpart."""
+    search the rank program `DEEP_HOPS` uses deep for their own counterpart.
+
+    With `replay`, a node whose term has the shape of an earlier clean step's is first
+    offered to `refine.reuse.Replayer`: that step's premises renamed onto this node, each
+    checked against the rank program, give its result renamed (a repeated layer is proven
+    once); when they do not hold, the node is proven as usual."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
     shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
     fusing = {name for name, op in registry.ops.items() if op.fuse}
+    # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
+    replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
@@ -419,13 +434,16 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         tries = hops[:1] if OPAQUE in ops or n.op in fusing else hops
         if OPAQUE not in ops and over_fused:
             tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
-        res = None
-        for h in tries:
-            tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
-            res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
-            if res.clean:
-                break
-        assert res is not None
+        res = replayer.replay(term) if replayer is not None else None
+        if res is None:
+            for h in tries:
+                tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
+                res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
+                if res.clean:
+                    break
+            assert res is not None
+            if replayer is not None and res.clean:
+                replayer.record(term, res)
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()

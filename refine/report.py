@@ -108,4 +108,4 @@ def print_report(r: Report, console: Console | None = None) -> None:
     s = r.stats
     if s:
         console.print(f"[dim]{s.get('seq_nodes')} sequential nodes, {s.get('rank_nodes')} rank nodes on "
-                      f"{s.get('ranks')} ranks, {s.get('steps')} e-graph steps, {s.get('seconds')} s[/]")
+                      f"{s.get('ranks')} ranks, {s.get('steps')} e-graph steps, {s.get('replayed', 0)} replayed, {s.get('seconds')} s[/]")

@@ -1,0 +1,157 @@
+"""Replay of a repeated layer's steps (refine/reuse.py): it fires on identical layers, never
+changes a verdict or a culprit, and what decides it is the check of every renamed premise,
+not how the renaming was found."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.check import check_files, engine_for
+from refine.importer.entangle import import_case
+from refine.opset import load_registry
+from refine.report import Report
+from refine.reuse import Replayer
+
+T, H, F = 4, 8, 16
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
+RELATIONS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"
+
+
+def _stack(tmp_path: Path, layers: int = 3, world: int = 2, bug_layer: int | None = None) -> tuple[Path, Path]:
+    """Megatron MLP blocks with a residual: column-parallel fc1 (+ bias, gelu), row-parallel
+    fc2, all_reduce, bias, times a gain every layer shares (as a rotary table is shared).
+    `bug_layer`: that layer adds its fc2 bias on every rank before the all_reduce."""
+    s = GraphBuilder()
+    x = s.input("x", [T, H])
+    gain = s.input("gain", [T, H])
+    for i in range(layers):
+        w1, b1 = s.input(f"w1_{i}", [H, F], role="parameter"), s.input(f"b1_{i}", [F], role="parameter")
+        w2, b2 = s.input(f"w2_{i}", [F, H], role="parameter"), s.input(f"b2_{i}", [H], role="parameter")
+        h = s.op("gelu", s.op("add", s.op("matmul", x, w1, name=f"fc1_{i}"), b1, name=f"fc1_bias_{i}"),
+                 name=f"act_{i}", approximate="none")
+        y = s.op("add", s.op("matmul", h, w2, name=f"fc2_{i}"), b2, name=f"fc2_bias_{i}")
+        x = s.op("add", x, s.op("mul", y, gain, name=f"gain_{i}"), name=f"res_{i}")
+    s.output("y", x)
+    ranks = {}
+    for r in range(world):
+        d = GraphBuilder()
+        x_ = d.input("x", [T, H])
+        gain_ = d.input("gain", [T, H])
+        for i in range(layers):
+            w1, b1 = d.input(f"w1_{i}", [H, F // world], role="parameter"), d.input(f"b1_{i}", [F // world], role="parameter")
+            w2, b2 = d.input(f"w2_{i}", [F // world, H], role="parameter"), d.input(f"b2_{i}", [H], role="parameter")
+            h = d.op("gelu", d.op("add", d.op("matmul", x_, w1, name=f"fc1_{i}"), b1, name=f"fc1_bias_{i}"),
+                     name=f"act_{i}", approximate="none")
+            p = d.op("matmul", h, w2, name=f"fc2_{i}")
+            if i == bug_layer:
+                y = d.op("all_reduce", d.op("add", p, b2, name=f"fc2_bias_{i}"), name=f"fc2_sum_{i}",
+                         reduce_op="sum", group=list(range(world)))
+            else:
+                y = d.op("add", d.op("all_reduce", p, name=f"fc2_sum_{i}", reduce_op="sum", group=list(range(world))),
+                         b2, name=f"fc2_bias_{i}")
+            x_ = d.op("add", x_, d.op("mul", y, gain_, name=f"gain_{i}"), name=f"res_{i}")
+        d.output("y", x_)
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [{"from": "x", "placements": ["Replicate"]}, {"from": "gain", "placements": ["Replicate"]}]
+    for i in range(layers):
+        rel += [{"from": f"w1_{i}", "placements": ["Shard(1)"]}, {"from": f"b1_{i}", "placements": ["Shard(0)"]},
+                {"from": f"w2_{i}", "placements": ["Shard(0)"]}, {"from": f"b2_{i}", "placements": ["Replicate"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": world}, ranks, rel, [{"output": "y", "placements": ["Replicate"]}]))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def _check(paths: tuple[Path, Path]) -> tuple[Report, float, float]:
+    """The report, and how many steps were replayed and proven by an e-graph for it."""
+    stats = engine_for(load_registry()).stats
+    replayed, steps = stats["replayed"], stats["steps"]
+    report = check_files(*paths)
+    return report, stats["replayed"] - replayed, stats["steps"] - steps
+
+
+def _no_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Replayer, "replay", lambda self, term: None)
+
+
+def test_identical_layers_are_replayed_and_the_verdict_is_unchanged(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = _stack(tmp_path / "a")
+    report, replayed, steps = _check(paths)
+    assert report.refines, str(report)
+    # each layer has 8 sequential nodes (lowered: matmul, Sum, gelu, ...); layer 3 at least
+    # is replayed whole (layer 2's input is already a rank all_reduce, as layer 3's is)
+    assert replayed >= 8, (replayed, steps)
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        again, replayed_off, steps_off = _check(_stack(tmp_path / "b"))
+    assert replayed_off == 0 and again.refines
+    assert steps < steps_off  # replayed steps run no e-graph
+    assert [(o.name, o.ok) for o in report.outputs] == [(o.name, o.ok) for o in again.outputs]
+
+
+@pytest.mark.parametrize("bug_layer", [1, 2])
+def test_a_bug_in_one_layer_is_found_in_that_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     bug_layer: int) -> None:
+    report, replayed, _ = _check(_stack(tmp_path / "a", bug_layer=bug_layer))
+    assert not report.refines
+    assert report.culprit is not None and report.culprit.node == f"fc2_bias_{bug_layer}", str(report)
+    if bug_layer == 2:
+        assert replayed > 0  # layer 2 (index 1) is correct and was replayed, layer 3 was not
+    with monkeypatch.context() as m:
+        _no_replay(m)
+        again, _, _ = _check(_stack(tmp_path / "b", bug_layer=bug_layer))
+    assert again.culprit is not None and (again.culprit.node, again.culprit.rank_node) == \
+        (report.culprit.node, report.culprit.rank_node)
+
+
+def test_every_term_colliding_falls_back_to_proving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one key for every term, every earlier step is a candidate for every node: the
+    premise check turns the wrong ones down, so the verdicts and the culprit stand."""
+    monkeypatch.setattr(Replayer, "key", lambda self, term: "same")
+    monkeypatch.setattr("refine.reuse.CANDIDATES", 50)
+    report, replayed, _ = _check(_stack(tmp_path / "a"))
+    assert report.refines, str(report)
+    bad, _, _ = _check(_stack(tmp_path / "b", bug_layer=1))
+    assert not bad.refines and bad.culprit is not None and bad.culprit.node == "fc2_bias_1", str(bad)
+
+
+def test_a_wrong_renaming_is_never_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renaming search is only a guess: when it maps a tensor to another one of the same
+    shape (here: every layer's fc1 to the next layer's), a renamed premise is false and the
+    node is proven instead."""
+    found = Replayer._map
+
+    def skewed(self: Replayer, prem: Any, target: Any) -> Any:
+        pi = found(self, prem, target)
+        if pi is None:
+            return None
+        for k, v in pi.items():
+            pi[k] = re.sub(r"^fc1_(\d+)", lambda m: f"fc1_{int(m.group(1)) + 1}", v)
+        return pi
+
+    monkeypatch.setattr(Replayer, "_map", skewed)
+    calls: list[bool] = []
+    valid = Replayer._valid
+    monkeypatch.setattr(Replayer, "_valid", lambda self, *a: calls.append(valid(self, *a)) or calls[-1])
+    report, replayed, _ = _check(_stack(tmp_path))
+    assert report.refines, str(report)
+    assert False in calls  # some skewed renamings were tried and turned down
+    assert replayed <= calls.count(True)
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
+def test_aws_llama_second_layer_is_replayed(tmp_path: Path) -> None:
+    """Neuron Llama-3, two layers, TP2: the second layer's 75 sequential nodes are replayed
+    from the first's steps (measured: 126 e-graph steps, 87 replayed; one layer alone takes
+    125 e-graph steps), and the logits still refine."""
+    case = import_case(CORPUS / "aws_llama" / "tp1_layer2", CORPUS / "aws_llama" / "tp2_layer2",
+                       RELATIONS / "aws_llama.json")
+    case.write(tmp_path)
+    report, replayed, steps = _check((tmp_path / "seq.json", tmp_path / "dist.json"))
+    assert report.refines, str(report)
+    assert replayed >= 60, (replayed, steps)
+    assert report.stats["replayed"] == replayed
