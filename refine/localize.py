@@ -238,6 +238,8 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
         if not near:
             continue
         at = next((n for n in near if n.op == d.op), near[0])
+        if registry.ops[at.op].fuse:
+            continue  # no rank holds a fused op's value: its users decide (a shard's norm, squared again)
         # the sequential sum as its inputs' relations give it (its own relation may be the
         # rank tensor found equal to it, which says nothing of how often a term is in it)
         whole = (Term("Sum", tuple(inf.relations[a] for a in at.tensor_args())) if at.op == "Sum"
