@@ -190,7 +190,9 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             Term("Sum", (Term("sumsq_c", (x,)), Term("sumsq_c", (y,)), Term("square_t", (gen.leaf(()),)))),
         ]
         # negative or unknown: the analysis must not claim these
-        unknown = [x, Term("Scale", (sq,), (Fraction(-1),)), Term("Sum", (sq, x)), Term("Sum", (x, sq)),
+        one = Term("full", (), (1.0, (n, k)))
+        minus_one = Term("Sum", (sq, Term("Scale", (Term("Sum", (sq, one)),), (Fraction(-1),))))  # x^2 - (x^2 + 1)
+        unknown = [x, Term("Scale", (sq,), (Fraction(-1),)), minus_one, Term("Sum", (sq, x)), Term("Sum", (x, sq)),
                    Term("Sum", (sq, Term("abs_t", (y,)), x)), Term("Sum", (x, sq, Term("abs_t", (y,)))),
                    Term("mul_t", (sq, x)),
                    Term("clamp_t", (x,), (-1.0, 1.0)), Term("full", (), (-0.5, (n, k))), pos]
