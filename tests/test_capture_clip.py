@@ -131,6 +131,14 @@ def test_clip_grad_norm_refines(clip_case: capture.Case) -> None:
     assert wrong_numerically(clip_case) == set()
 
 
+def test_clip_grad_norm_without_foreach_refines() -> None:
+    """clip_grad_norm_(foreach=False): a vector_norm and a mul_ per gradient, same verdict."""
+    case = capture(CLIP.make_case(world_size=2, foreach=False))
+    assert not any(n["op"].startswith("_foreach") for n in case.seq_doc["graph"]["nodes"])
+    report = checked(case)
+    assert report.refines, report
+
+
 @pytest.mark.parametrize("bug", [
     "replicated_norm_all_reduced",  # each replicated gradient's squares counted on both ranks
     "norm_not_all_reduced",  # each rank clips with its own shards' norm

@@ -43,10 +43,10 @@ MAX_NORM = 0.25  # below the gradients' global norm (about 0.55): clipping reall
 BUGS = ("replicated_norm_all_reduced", "norm_not_all_reduced")
 
 
-def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, foreach: bool | None = None) -> torch.Tensor:
     loss = F.mse_loss(model(x), target)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=foreach)
     return loss
 
 
@@ -83,14 +83,16 @@ def tp_model(seq: nn.Module, rank: int, world_size: int) -> nn.Module:
     return model
 
 
-def make_case(world_size: int = 2, bug: str | None = None) -> capture.Spec:
+def make_case(world_size: int = 2, bug: str | None = None, foreach: bool | None = None) -> capture.Spec:
+    """`foreach=False`: the sequential clip_grad_norm_ takes one vector_norm and one mul_ per
+    gradient instead of the foreach ops (None: torch's choice, the foreach ones on CPU)."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     torch.manual_seed(0)
     seq = tp_mlp.MLP()
     x, target = torch.randn(tp_mlp.T, tp_mlp.H), torch.randn(tp_mlp.T, tp_mlp.H)
     return capture.Spec(
-        sequential=capture.Step(seq, train_step, {"x": x, "target": target}),
+        sequential=capture.Step(seq, lambda m, **kw: train_step(m, **kw, foreach=foreach), {"x": x, "target": target}),
         rank=lambda r: capture.Step(tp_model(seq, r, world_size),
                                     lambda m, **kw: tp_train_step(m, **kw, bug=bug), {"x": x, "target": target}),
         world_size=world_size, mesh={"tp": world_size}, name=f"clip_norm{'_bug_' + bug if bug else ''}",
