@@ -103,6 +103,8 @@ def _capture_step(step: Any) -> capture.Case:
     (lambda gs: torch._foreach_mul_(gs, 0.5), True),
     (lambda gs: torch._foreach_add_(gs, gs, alpha=2.0), True),
     (lambda gs: torch._foreach_div_(gs, [2.0, 4.0]), True),
+    (lambda gs: gs[1].mul_(torch.stack([gs[1].sum()]).sum()), True),  # a stack of one tensor
+    (lambda gs: gs[0].mul_(torch.stack([gs[1], gs[1]], dim=1).sum()), True),
     # not expanded: an in-place list op's later readers would read the tensors before the write
     (lambda gs: torch._foreach_sqrt_(gs), False),
     (lambda gs: torch._foreach_lerp_(gs, gs, 0.5), False),

@@ -221,8 +221,10 @@ def _stack(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     shape = list(em.type(xs[0]).shape)
     d = _dim(a["dim"], len(shape) + 1)
     one = shape[:d] + [1] + shape[d:]
+    if len(xs) == 1:
+        return em.emit("reshape", [xs[0]], {"shape": one})
     parts = [em.emit("reshape", [x], {"shape": one}, final=False, suffix=f"item{i}") for i, x in enumerate(xs)]
-    return parts[0] if len(parts) == 1 else em.emit("concat", parts, {"dim": d})
+    return em.emit("concat", parts, {"dim": d})
 
 
 def _split(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
