@@ -73,6 +73,15 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         if sent is not None:
             rank_node, rank_source, why = sent
             reason += f"; {why}"
+        elif dist is not None and any(registry.ops[core.index()[a].op].fuse for a in node.tensor_args()
+                                      if isinstance(core.index().get(a), Node)):
+            # over a fused value no rank holds (a global norm): a missing reduction shows
+            # only in the values, so try adding one (refine.missing_reduce)
+            missing = _missing_reduce(seq, dist, registry, failing)
+            if missing is not None:
+                rank_node, rank_source, why = missing
+                reason += f"; {why}"
+                wrong = (rank_node, rank_source, why)
     else:
         target = min((refs[r.name] for r in failing), key=lambda n: order.get(n, -1))
         first = next(r for r in failing if refs[r.name] == target)
@@ -119,6 +128,21 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     return Culprit(user, user_node.op if user_node else node.op, wrong_line or node.source, node.name, inputs,
                    sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name,
                    rank_node, rank_source, node.source if wrong_line else None)
+
+
+def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
+                    failing: list[OutputResult]) -> tuple[str, str, str] | None:
+    """`refine.missing_reduce.missing_reduce` for the failing outputs: (the rank node, its
+    source line, what the edit was), or None."""
+    from refine.missing_reduce import missing_reduce
+
+    found = missing_reduce(seq, dist, registry, [r.name for r in failing])
+    if found is None:
+        return None
+    made = tensor_name(found.rank, lower(dist.ranks[found.rank], registry)[1].get(found.node, found.node))
+    what = (f"a SUM all-reduce over ranks {found.group} after {found.node}@{found.rank} ({made}) and the other "
+            f"nodes of its line makes every output right on random inputs: the reduction is missing there")
+    return made, found.source, what
 
 
 def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
@@ -238,6 +262,8 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
         if not near:
             continue
         at = next((n for n in near if n.op == d.op), near[0])
+        if registry.ops[at.op].fuse:
+            continue  # no rank holds a fused op's value: its users decide (a shard's norm, squared again)
         # the sequential sum as its inputs' relations give it (its own relation may be the
         # rank tensor found equal to it, which says nothing of how often a term is in it)
         whole = (Term("Sum", tuple(inf.relations[a] for a in at.tensor_args())) if at.op == "Sum"

@@ -450,9 +450,10 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
-        elif n.op in fusing and OPAQUE not in ops and not over_fused:
+        elif OPAQUE not in ops and ((n.op in fusing and not over_fused) or (over_fused and n.op in _PASS_FUSED)):
             # its users see the op over its inputs' relations; left out of `clean`: whether
-            # it is right is decided at its users (localization passes over it)
+            # it is right is decided at its users (localization passes over it). Views and
+            # concats of a fused term pass it on too (a stack of norms, rules/vector_norm.py)
             down[n.name] = term
         else:
             clean[n.name] = False
@@ -462,6 +463,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             if f in prog.types:
                 prog.same.union(res.found[0], f)
     return Inference(shown, clean, steps)
+
+
+_PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:

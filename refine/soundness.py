@@ -19,8 +19,9 @@
    e-node must equal (allclose, float64) the e-class's value, the shape analysis must agree
    with the evaluated shape of its e-class, and the analyses must be right: prefix products
    (`pp`), the index of the terms of each sum (`SumHas`: a term of a sum of that class;
-   `SumPair`: a class holding the sum of two terms). Any difference can only come from the
-   one rule in the e-graph.
+   `SumPair`: a class holding the sum of two terms) and the facts of `FACTS` (`NonNeg`,
+   rules/vector_norm.py: no element negative). Any difference can only come from the one
+   rule in the e-graph.
 4. **Coverage.** A rule that never changed its e-graph was not tested: it is reported.
 """
 
@@ -623,6 +624,20 @@ def query_heads(rule: Rule, names: set[str]) -> set[str]:
     return _mentions(parse_sexp(rule.text)[1], names)
 
 
+def _nonneg(v: torch.Tensor) -> bool:
+    return not bool((v < 0).any())  # no element negative (NaN is not negative)
+
+
+# Fact relations analyses derive (declared by a rule family) and what each says: of its one
+# tensor ("one"), or of all / some of the terms of its multiset ("all", "any"). Every fact in
+# an e-graph the harness reads back must hold.
+FACTS: dict[str, tuple[str, Any]] = {
+    "NonNeg": ("one", _nonneg),  # rules/vector_norm.py
+    "NNAll": ("all", _nonneg),  # every term of a sum is non-negative
+    "NNTodo": ("any", _nonneg),  # the rest of a sum, walked while its terms are non-negative
+}
+
+
 def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
     """The tables an analysis rule fills: constructors its actions (or right side) apply,
     directly or through `unstable-fn`."""
@@ -702,7 +717,7 @@ class Harness:
             self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
-        tables = names | {"pp", "SumPair"}
+        tables = names | {"pp", "SumPair"} | set(FACTS)
         self.writes = {r.name: analysis_writes(r, tables) for r in self.always}
         made = set().union(*self.writes.values())  # seeds need not hold what analyses make
         self.heads = {r.name: query_heads(r, names) - made for _, r in self.checked_rules}
@@ -867,6 +882,8 @@ class Harness:
                     a, b = self._eval(Term("Sum", (x1, x2))), self._eval(u)
                     if isinstance(a, str) or isinstance(b, str) or not close(a, b):
                         failures.append(f"SumPair: {x1} + {x2} is not {u}; {self.where(x1, x2, u)}")
+            if n["op"] in FACTS and len(n["children"]) == 1:
+                failures += self._check_fact(n, nodes, cls_term)
             if n["op"] == "pp":
                 self.analysis_checked["pp"] += 1
                 sv, i = value(n["children"][0]), value(n["children"][1])
@@ -874,6 +891,20 @@ class Harness:
                 if i > len(sv) or got != math.prod(sv[:i]):
                     failures.append(f"(pp {list(sv)} {i}) = {got}, expected {math.prod(sv[:i]) if i <= len(sv) else 'none'}")
         return checked, failures
+
+    def _check_fact(self, n: dict[str, Any], nodes: dict[str, Any], cls_term: dict[str, Term]) -> list[str]:
+        quant, holds = FACTS[n["op"]]
+        self.analysis_checked[n["op"]] += 1
+        kid = n["children"][0]
+        classes = [nodes[kid]["eclass"]] if quant == "one" else [nodes[k]["eclass"] for k in nodes[kid]["children"]]
+        terms = [cls_term.get(c) for c in classes]
+        if any(t is None for t in terms):
+            return [f"{n['op']} over terms that cannot be read back: {terms}"]
+        values = [self._eval(t) for t in terms]  # type: ignore[arg-type]
+        ok = [not isinstance(v, str) and holds(v) for v in values]
+        if all(ok) if quant in ("one", "all") else any(ok):
+            return []
+        return [f"({n['op']} {', '.join(map(str, terms))}) does not hold; {self.where(*terms)}"]  # type: ignore[arg-type]
 
     def where(self, *terms: Term) -> str:
         leaves: set[str] = set()

@@ -14,9 +14,10 @@ all-reduced over the TP group. `make_case(bug=...)` builds the buggy twin:
 - "norm_not_all_reduced": the all-reduce of the squared norm is missing, so each rank
   clips with its local norm: every clipped gradient is scaled by the wrong coefficient.
 
-(clip_grad_norm_ itself takes the norm of the per-gradient norms, sqrt(sum(sqrt(s_i)^2));
-equal to sqrt(sum(s_i)) only because each s_i >= 0, a fact refine's rules do not know, so
-both steps write the sum of squares directly.)
+(Both steps write the sum of squares directly. clip_grad_norm_ itself takes the norm of the
+per-gradient norms, sqrt(sum(sqrt(s_i)^2)), equal to sqrt(sum(s_i)) because each s_i >= 0:
+clip_norm.py captures torch's own clip_grad_norm_ against Megatron's norm, which
+rules/vector_norm.py's non-negativity analysis proves.)
 """
 
 from __future__ import annotations

@@ -27,10 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._decomp import core_aten_decompositions
 
+from refine.capture.foreach import FOREACH_DECOMPOSITIONS
+
 if TYPE_CHECKING:
     from refine.capture.convert import Emitter
 
 DECOMPOSITIONS = core_aten_decompositions()
+DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)  # foreach ops: one op per tensor (refine.capture.foreach)
 
 # aten base name -> refine op (same semantics, other name)
 ALIASES: dict[str, str] = {
@@ -210,6 +213,18 @@ def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     if len(xs) == 1:
         return xs[0]
     return em.emit("concat", xs, {"dim": d})
+
+
+def _stack(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    """stack(tensors, dim): each tensor with a size-1 dim inserted, concatenated along it."""
+    xs = [em.value(t) for t in a["tensors"]]
+    shape = list(em.type(xs[0]).shape)
+    d = _dim(a["dim"], len(shape) + 1)
+    one = shape[:d] + [1] + shape[d:]
+    if len(xs) == 1:
+        return em.emit("reshape", [xs[0]], {"shape": one})
+    parts = [em.emit("reshape", [x], {"shape": one}, final=False, suffix=f"item{i}") for i, x in enumerate(xs)]
+    return em.emit("concat", parts, {"dim": d})
 
 
 def _split(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
@@ -404,7 +419,8 @@ SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
-    "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "transpose": _transpose,
+    "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "stack": _stack,
+    "transpose": _transpose,
     "index": _index, "constant_pad_nd": _constant_pad_nd, "nll_loss_backward": _nll_loss_backward,
     "_log_softmax_backward_data": _log_softmax_backward_data,
 }

@@ -434,7 +434,10 @@ def check_mutations(traced: Traced, where: str) -> None:
         if n.op != "call_function":
             continue
         if n.target is operator.getitem:
-            storage[n] = storage.get(n.args[0], n)  # type: ignore[arg-type]
+            # an output of a view-returning or in-place op shares its storage; the outputs of
+            # an op returning fresh tensors (native_layer_norm_backward's) are distinct ones
+            parent = storage.get(n.args[0], n)  # type: ignore[arg-type]
+            storage[n] = parent if parent is not n.args[0] else n
             continue
         if not isinstance(n.target, torch._ops.OpOverload):
             continue
@@ -455,6 +458,10 @@ def check_mutations(traced: Traced, where: str) -> None:
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), fx.Node):
                 mutations.append((n, a[arg.name], inplace and arg is schema.arguments[0]))
+            elif arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), (list, tuple)):
+                # a list op writing in place (a foreach op refine.capture.foreach does not
+                # expand) returns no tensor to rewire readers to: any later read is stale
+                mutations += [(n, w, False) for w in a[arg.name] if isinstance(w, fx.Node)]
         ret = schema.returns[0].alias_info if schema.returns else None
         if ret is not None:  # a view, or an in-place op: the result shares its argument's storage
             for arg in schema.arguments:
