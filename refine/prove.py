@@ -465,6 +465,18 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
+    # a carried node that a clean relation took in (through its users, or carried users of
+    # it that were) is, like a fused one, left out of `clean`: what matters about it is
+    # proven at that user. One that nothing clean took in stays unclean (a culprit).
+    users: dict[str, list[str]] = {}
+    for n in seq.nodes:
+        for a in n.tensor_args():
+            users.setdefault(a, []).append(n.name)
+    absorbed: set[str] = set()
+    for n in reversed(seq.nodes):
+        if n.name in carried and any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
+            absorbed.add(n.name)
+            del clean[n.name]
     return Inference(shown, clean, steps)
 
 

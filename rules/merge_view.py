@@ -74,6 +74,10 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     # unmerged product of a rank, seen as its merged bmm output viewed back)
     out.append(rule("view-inverse-rank", ["(= y (view x s))", "(= y (D n))", "(= sx (shape x))", "(!= sx s)"],
                     ["(union x (view y sx))"]))
+    # and a rank tensor is its own view viewed back (a relation that views a rank's merged
+    # bmm output unmerged: the rank's own ops on the merged tensor then meet the unmerged one)
+    out.append(rule("view-of-rank-inverse", ["(= v (view y s))", "(= y (D n))", "(= sy (shape y))", "(!= sy s)"],
+                    ["(union y (view v sy))"]))
     return out
 
 
