@@ -28,7 +28,7 @@ CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
-CARRY_OPS = 16  # an unclean node's term up to this many distinct ops is seen by its users
+CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by its users
 CARRY_HOPS = 12  # and the frontier of their steps' retry
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
@@ -453,10 +453,11 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             down[n.name] = term
         else:
             clean[n.name] = False
-            if OPAQUE not in ops and _dag_size(term) <= CARRY_OPS:
-                # a small unclean term is carried to its users (still unclean here, so the
-                # culprit is unchanged): a mask or index no rank materialises, only what it
-                # selects (Megatron's vocab-parallel target lookup, masked over the full vocab)
+            masks = not n.type.dtype.startswith(("float", "bfloat")) or over_carried
+            if masks and OPAQUE not in ops and _dag_size(term) <= CARRY_OPS:
+                # a small unclean mask or index (bool or integer), and what is computed from
+                # it, is carried to its users: no rank holds the sequential mask over the
+                # whole vocab, only what it selects (Megatron's vocab-parallel target lookup)
                 down[n.name] = term
                 carried.add(n.name)
             else:
