@@ -433,7 +433,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         if OPAQUE not in ops and over_fused:
             tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         elif OPAQUE not in ops and over_carried:
-            tries = (hops[0], CARRY_HOPS)  # the ranks' counterpart of a carried term is as far as its chain
+            # the ranks' counterpart of a carried term is as far as its chain; a view of one
+            # (the rank holds no more of it than of the term) is searched near only
+            tries = hops[:1] if n.op in _STRUCTURAL else (hops[0], CARRY_HOPS)
         res = None
         for h in tries:
             tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
