@@ -37,7 +37,7 @@ def matrix() -> list[tuple[str, str, str, str | None]]:
     for layers in (1, 2, 4, 8):
         for tp in (2, 4, 6, 8):
             rows.append((f"gpt/paral{tp}_layer{layers}", f"gpt/paral1_layer{layers}", f"gpt/paral{tp}_layer{layers}",
-                         None))
+                         "gpt.json"))
     for tp in (2, 4):
         rows.append((f"qwen2/paral{tp}_layer1", "qwen2/paral1_layer1", f"qwen2/paral{tp}_layer1", "qwen2.json"))
     for layers in (1, 2, 4, 8):

@@ -29,6 +29,8 @@ CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
+CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by its users
+CARRY_HOPS = 12  # and the frontier of their steps' retry
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -340,6 +342,15 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
     seen = set(chosen)
+    # the constants the leaves' own definitions read come along too (a rank's comparison
+    # with its vocab bound, when the comparison is a leaf)
+    for x in list(chosen):
+        for dep in sorted(prog.defs[x].leaves()):  # type: ignore[union-attr]
+            if is_constant(prog, dep):
+                for c in _constant_closure(prog, dep):
+                    if c not in seen:
+                        seen.add(c)
+                        chosen.append(c)
     layer = set(leaves)
     # what a leaf is a view of, and the pieces of a collective it is (a view of), come
     # along with their users: a sum of the whole where the ranks sum its pieces before
@@ -424,16 +435,22 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     fusing = {name for name, op in registry.ops.items() if op.fuse}
     # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
+    carried: set[str] = set()  # unclean nodes whose users see their term (CARRY_OPS)
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
         ops = term.ops()
         over_fused = any(a.ops() & fusing for a in term.args)
+        over_carried = any(a in carried for a in n.args if isinstance(a, str))
         # a fused op's own relation is searched near its inputs only (if there is one
         # further away, it is its users' business: they search deep)
         tries = hops[:1] if OPAQUE in ops or n.op in fusing else hops
         if OPAQUE not in ops and over_fused:
             tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
+        elif OPAQUE not in ops and over_carried:
+            # the ranks' counterpart of a carried term is as far as its chain; a view of one
+            # (the rank holds no more of it than of the term) is searched near only
+            tries = hops[:1] if n.op in _STRUCTURAL else (hops[0], CARRY_HOPS)
         res = replayer.replay(term) if replayer is not None else None
         if res is None:
             for h in tries:
@@ -457,15 +474,48 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             down[n.name] = term
         else:
             clean[n.name] = False
-            prog.opaque[n.name] = n.type
-            down[n.name] = opaque(n.name)
+            masks = not n.type.dtype.startswith(("float", "bfloat")) or over_carried
+            if masks and OPAQUE not in ops and _dag_size(term) <= CARRY_OPS:
+                # a small unclean mask or index (bool or integer), and what is computed from
+                # it, is carried to its users: no rank holds the sequential mask over the
+                # whole vocab, only what it selects (Megatron's vocab-parallel target lookup)
+                down[n.name] = term
+                carried.add(n.name)
+            else:
+                prog.opaque[n.name] = n.type
+                down[n.name] = opaque(n.name)
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
+    # a carried node that a clean relation took in (through its users, or carried users of
+    # it that were) is, like a fused one, left out of `clean`: what matters about it is
+    # proven at that user. One that nothing clean took in stays unclean (a culprit).
+    users: dict[str, list[str]] = {}
+    for n in seq.nodes:
+        for a in n.tensor_args():
+            users.setdefault(a, []).append(n.name)
+    absorbed: set[str] = set()
+    for n in reversed(seq.nodes):
+        if n.name in carried and any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
+            absorbed.add(n.name)
+            del clean[n.name]
     return Inference(shown, clean, steps)
 
 
 _PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
+
+
+def _dag_size(t: Term) -> int:
+    """The number of distinct non-leaf subterms of t."""
+    seen: set[Term] = set()
+    todo = [t]
+    while todo:
+        x = todo.pop()
+        if x in seen or not x.args:
+            continue
+        seen.add(x)
+        todo.extend(x.args)
+    return len(seen)
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:

@@ -161,51 +161,76 @@ def _stat(which: str):
     return decompose
 
 
-def _mean_rows(b: Builder, x: str) -> str:
-    """The mean over dim 1 of an [n1, n2] tensor, kept and expanded back: an exact 1/n2
-    scale of a sum when n2 is concrete (partial sums stay a Sum), a core rmean otherwise."""
-    n1, n2 = b.type(x).shape
-    m = b.scale(b.emit("rsum", [x], {"dim": 1}), Fraction(1, n2)) if isinstance(n2, int) else \
-        b.emit("rmean", [x], {"dim": 1})
-    return b.broadcast(m, (n1, n2))
+# The backward works in the input's own shape, the flat [n1] statistics viewed as its rows
+# with the normalised dims kept: flattening the rows would merge a sharded dim that is not
+# the outer one (a per-head norm of q/k with the heads split across ranks) into one dim that
+# no concat describes.
 
 
-def _xhat(b: Builder, mean: str, invvar: str, x: str, ns: tuple[Any, ...]) -> tuple[str, tuple[Any, Any]]:
-    """(x - mean) * invvar on the [n1, n2] view of x, and that shape."""
-    _, n1, n2 = _split(b.type(x), ns)
-    rows = (n1, n2)
-    x2 = b.view(x, rows)
-    m = b.broadcast(b.view(mean, (n1, 1)), rows)
-    r = b.broadcast(b.view(invvar, (n1, 1)), rows)
-    centred = b.emit("Sum", [x2, b.scale(m, Fraction(-1))], {})
-    return b.emit("mul_t", [centred, r], {}), rows
+def _trailing(x: TensorType, ns: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """(x's shape with the normalised dims kept at size 1, the normalised dims' indices)."""
+    lead, _, _ = _split(x, ns)
+    return lead + (1,) * len(ns), tuple(range(len(lead), x.ndim))
+
+
+def _row_stat(b: Builder, t: str, x: TensorType, ns: tuple[Any, ...]) -> str:
+    """A flat [n1] statistic broadcast over x's shape."""
+    kept, _ = _trailing(x, ns)
+    return b.broadcast(b.view(t, kept), x.shape)
+
+
+def _mean_rows(b: Builder, t: str, ns: tuple[Any, ...]) -> str:
+    """The mean of t over its normalised dims, kept and broadcast back: an exact 1/n2 scale
+    of sums when n2 is concrete (partial sums stay a Sum), core rmeans otherwise."""
+    tt = b.type(t)
+    _, dims = _trailing(tt, ns)
+    n2 = math.prod(ns)
+    m = t
+    for d in dims:
+        m = b.emit("rsum" if isinstance(n2, int) else "rmean", [m], {"dim": d})
+    if isinstance(n2, int):
+        m = b.scale(m, Fraction(1, n2))
+    return b.broadcast(m, tt.shape)
+
+
+def _sum_rows(b: Builder, t: str, ns: tuple[Any, ...], out: TensorType) -> str:
+    """t summed over its leading (row) dims, as the normalised shape."""
+    tt = b.type(t)
+    for d in range(tt.ndim - len(ns)):
+        t = b.emit("rsum", [t], {"dim": d})
+    return b.view(t, out.shape)
+
+
+def _xhat(b: Builder, mean: str, invvar: str, x: str, ns: tuple[Any, ...]) -> str:
+    """(x - mean) * invvar, in x's shape."""
+    xt = b.type(x)
+    centred = b.emit("Sum", [x, b.scale(_row_stat(b, mean, xt, ns), Fraction(-1))], {})
+    return b.emit("mul_t", [centred, _row_stat(b, invvar, xt, ns)], {})
 
 
 def _grad_input(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     dy, mean, invvar, x, w = args
     assert all(isinstance(a, str) for a in args)
     ns = tuple(attrs["normalized_shape"])
-    xhat, rows = _xhat(b, mean, invvar, x, ns)  # type: ignore[arg-type]
-    g = b.emit("mul_t", [b.view(dy, rows), b.broadcast(b.view(w, (rows[1],)), rows)], {})  # type: ignore[arg-type]
-    proj = b.emit("mul_t", [xhat, _mean_rows(b, b.emit("mul_t", [g, xhat], {}))], {})
-    inner = b.emit("Sum", [g, b.scale(_mean_rows(b, g), Fraction(-1)), b.scale(proj, Fraction(-1))], {})
-    r = b.broadcast(b.view(invvar, (rows[0], 1)), rows)  # type: ignore[arg-type]
-    return b.view(b.emit("mul_t", [r, inner], {}), out.shape)
+    xt = b.type(x)  # type: ignore[arg-type]
+    xhat = _xhat(b, mean, invvar, x, ns)  # type: ignore[arg-type]
+    g = b.emit("mul_t", [dy, b.broadcast(w, xt.shape)], {})
+    proj = b.emit("mul_t", [xhat, _mean_rows(b, b.emit("mul_t", [g, xhat], {}), ns)], {})
+    inner = b.emit("Sum", [g, b.scale(_mean_rows(b, g, ns), Fraction(-1)), b.scale(proj, Fraction(-1))], {})
+    return b.emit("mul_t", [_row_stat(b, invvar, xt, ns), inner], {}, out)  # type: ignore[arg-type]
 
 
 def _grad_weight(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     dy, mean, invvar, x = args
     ns = tuple(attrs["normalized_shape"])
-    xhat, rows = _xhat(b, mean, invvar, x, ns)  # type: ignore[arg-type]
-    prod = b.emit("mul_t", [b.view(dy, rows), xhat], {})  # type: ignore[arg-type]
-    return b.view(b.emit("rsum", [prod], {"dim": 0}), out.shape)
+    xhat = _xhat(b, mean, invvar, x, ns)  # type: ignore[arg-type]
+    return _sum_rows(b, b.emit("mul_t", [dy, xhat], {}), ns, out)
 
 
 def _grad_bias(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     (dy,) = args
     assert isinstance(dy, str)
-    _, n1, n2 = _split(b.type(dy), tuple(attrs["normalized_shape"]))
-    return b.view(b.emit("rsum", [b.view(dy, (n1, n2))], {"dim": 0}), out.shape)
+    return _sum_rows(b, dy, tuple(attrs["normalized_shape"]), out)
 
 
 NS = ("normalized_shape", "ints")

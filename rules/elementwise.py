@@ -230,7 +230,8 @@ OPS = [
     *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise",
          linear={"mul_t": "each", "div_t": "first"}.get(n, ""))
       for n, f in BINARY.items()),
-    Op("masked_fill_t", 2, _same_shape(), (("value", "float"),),
+    # the filled tensor's dtype, not the mask's (an integer target masked before a gather)
+    Op("masked_fill_t", 2, lambda ins, a: TensorType(_same_shape()(ins, a).shape, ins[0].dtype), (("value", "float"),),
        ref=lambda x, m, value: x.masked_fill(m.bool(), value), core=True, kind="elementwise"),
     Op("where_t", 3, _same_shape(), ref=lambda c, x, y: torch.where(c.bool(), x, y), core=True,
        kind="elementwise"),

@@ -289,6 +289,9 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rule("view-sum", ["(= e (view (Sum ms) s))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ViewAs\" s) ms)))"]),
         rewrite("view-as", "(ViewAs s x)", "(view x s)"),
+        # and of an elementwise max (a max all-reduce viewed: a row max unsqueezed)
+        rule("view-max", ["(= e (view (Max ms) s))"],
+             ["(union e (Max (unstable-multiset-map (unstable-fn \"ViewAs\" s) ms)))"]),
         # broadcasting a sum is the sum of the broadcasts (a partial sum stays one)
         rule("expand-sum", ["(= e (expand (Sum ms) sh))"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ExpandTo\" sh) ms)))"]),

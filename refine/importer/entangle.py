@@ -254,11 +254,16 @@ class _Stub:
 
 
 class EntangleEmitter(Emitter):
-    def __init__(self, registry: Registry, path: str, ranks: list[int], sequential: bool) -> None:
+    def __init__(self, registry: Registry, path: str, ranks: list[int], sequential: bool,
+                 constants: dict[str, list[float]] | None = None) -> None:
         super().__init__(registry, _Stub(), path)  # type: ignore[arg-type]
         self.path, self.group, self.sequential = path, ranks, sequential
         self.lifted: list[Lifted] = []
         self.dropouts = 0
+        # values of lost scalar constants by source line, in dump order (the relation file's
+        # `constants`: facts read from the framework's code), and how many each line used
+        self.constants = constants or {}
+        self.constants_used: dict[str, int] = {}
 
     # -- context
 
@@ -342,6 +347,14 @@ class EntangleEmitter(Emitter):
             number = _assigned_number(_frame_source(u.meta.get("stack_trace"))[1])
             if number is not None and val.shape == ():
                 return self.emit("full", [], {"value": number, "shape": []}, final=False, dtype=self.dtype(val.dtype))
+        src = self.source
+        if src is not None and src in self.constants and val.shape == ():
+            k = self.constants_used.get(src, 0)
+            if k >= len(self.constants[src]):
+                raise self.fail(f"tensor constant {k} at {src}, but the relation file gives {len(self.constants[src])}")
+            self.constants_used[src] = k + 1
+            return self.emit("full", [], {"value": float(self.constants[src][k]), "shape": []}, final=False,
+                             dtype=self.dtype(val.dtype))
         return self.lift("const", val.shape, self.dtype(val.dtype))
 
     def _empty(self, n: fx.Node, a: dict[str, Any], path: tuple[int, ...]) -> Any:
@@ -571,9 +584,9 @@ def _what_of(message: str) -> str:
 
 
 def convert_dump(pg: PGraph, registry: Registry, ranks: list[int], sequential: bool,
-                 wanted: set[int] | None = None) -> Imported:
+                 wanted: set[int] | None = None, constants: dict[str, list[float]] | None = None) -> Imported:
     g, env, output = _fx_graph(pg)
-    em = EntangleEmitter(registry, pg.path, ranks, sequential)
+    em = EntangleEmitter(registry, pg.path, ranks, sequential, constants)
     placeholders = []
     for n in g.nodes:
         if n.op != "placeholder":
@@ -697,10 +710,21 @@ def load_relations(path: str | Path) -> dict[str, Any]:
         raise InputError(str(p), "$", f"cannot read the relation file: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != "refine-entangle-relations" or doc.get("version") != 1:
         raise InputError(str(p), "$", 'expected {"format": "refine-entangle-relations", "version": 1, ...}')
-    extra = set(doc) - {"format", "version", "inputs", "outputs", "comment"}
+    extra = set(doc) - {"format", "version", "inputs", "outputs", "constants", "comment"}
     if extra:
         raise InputError(str(p), "$", f"unknown fields {sorted(extra)}")
+    for k, c in enumerate(doc.get("constants", [])):
+        if not (isinstance(c, dict) and isinstance(c.get("source"), str) and isinstance(c.get("values"), list)
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c["values"])
+                and set(c) <= {"source", "values", "comment"}):
+            raise InputError(str(p), f"$.constants[{k}]", 'expected {"source": "file.py:line", "values": [numbers]}')
     return doc
+
+
+def _constants(doc: dict[str, Any] | None) -> dict[str, list[float]]:
+    """Scalar tensor constants the dumps lost, by the source line that reads them: their
+    values in dump order (read from the framework's code, stated in the relation file)."""
+    return {c["source"]: [float(v) for v in c["values"]] for c in (doc or {}).get("constants", [])}
 
 
 def _reads(graph: dict[str, Any], name: str) -> bool:
@@ -762,8 +786,10 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
     group = list(range(n))
     specs = _output_spec(rel_doc)
     wanted = {int(s["index"]) for s in specs}
-    seq = convert_dump(load_gpickle(seq_files[0]), registry, [0], sequential=True, wanted=wanted)
-    ranks = [convert_dump(load_gpickle(f), registry, group, sequential=False, wanted=wanted) for f in dist_files]
+    consts = _constants(rel_doc)
+    seq = convert_dump(load_gpickle(seq_files[0]), registry, [0], sequential=True, wanted=wanted, constants=consts)
+    ranks = [convert_dump(load_gpickle(f), registry, group, sequential=False, wanted=wanted, constants=consts)
+             for f in dist_files]
 
     # outputs: by the dump's output position
     for imp in [seq, *ranks]:
