@@ -159,9 +159,7 @@ RULES: list[Rule] = [
     # the squares and roots of a norm of norms meet through the views of torch.stack
     rewrite("square-view", "(square_t (view x s))", "(view (square_t x) s)"),
     rewrite("sqrt-view", "(sqrt_t (view x s))", "(view (sqrt_t x) s)"),
-    # a reduction over a size-1 dim keeps every element
-    rewrite("rsum-size-one", "(rsum x d)", "x", "(= (size x d) (dim 1))"),
-    rewrite("rmax-size-one", "(rmax x d)", "x", "(= (size x d) (dim 1))"),
+    # (a reduction over a size-1 dim keeping every element is rules/reduce.py's rsum-size-one)
 ]
 
 DECLS = ["(relation NonNeg (T))", "(relation NNTodo (TS))", "(relation NNAll (TS))"]
