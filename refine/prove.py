@@ -28,6 +28,7 @@ CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
+DEFER_OPS = 8  # compute ops a deferred node's term may carry to its users (see infer)
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -332,6 +333,15 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
     seen = set(chosen)
+    # and the constants those definitions read (`ne(target, full(-100))`): a term over the
+    # leaf's inputs then meets the leaf
+    for x in list(chosen):
+        for dep in sorted(prog.defs[x].leaves()):  # type: ignore[union-attr]
+            if is_constant(prog, dep):
+                for c in _constant_closure(prog, dep):
+                    if c not in seen:
+                        seen.add(c)
+                        chosen.append(c)
     layer = set(leaves)
     # what a leaf is a view of, and the pieces of a collective it is (a view of), come
     # along with their users: a sum of the whole where the ranks sum its pieces before
@@ -402,13 +412,22 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     finding more rank tensors for the inputs that are clean. The exception is a fused op
     (`Op.fuse`: softmax, which blockwise attention never materialises): with no clean
     relation near its inputs, its users see it as the op over its inputs' relations and
-    search the rank program `DEEP_HOPS` uses deep for their own counterpart."""
+    search the rank program `DEEP_HOPS` uses deep for their own counterpart.
+
+    Likewise, a node over clean inputs with no clean relation is deferred: its users see
+    its term (up to `DEFER_OPS` compute ops), since a fused formula may never hold it (a
+    loss mixing its terms per token before masking holds neither masked term alone). A
+    deferred node that some later clean relation takes in was computed (localization
+    passes over it); one that none takes in has no clean relation, as if never deferred."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
     shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
     fusing = {name for name, op in registry.ops.items() if op.fuse}
+    deferred: dict[str, frozenset[str]] = {}  # node -> the deferred nodes its `down` term holds
+    taken: set[str] = set()  # deferred nodes a clean relation took in
+    behind: dict[str, set[str]] = {}  # deferred node -> more rank tensors its users search from
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
@@ -420,8 +439,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         if OPAQUE not in ops and over_fused:
             tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         res = None
+        near = leaves.union(*(behind.get(a, set()) for a in n.tensor_args()))
         for h in tries:
-            tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
+            tensors = frontier(prog, _with_replicas(prog, near), known, h)
             res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
             if res.clean:
                 break
@@ -429,13 +449,21 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
+        carried = frozenset().union(*(deferred.get(a, frozenset()) for a in n.tensor_args()))
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
+            taken |= carried
         elif n.op in fusing and OPAQUE not in ops and not over_fused:
             # its users see the op over its inputs' relations; left out of `clean`: whether
             # it is right is decided at its users (localization passes over it)
             down[n.name] = term
+        elif OPAQUE not in ops and not ops & fusing and _compute_ops(term, engine.clean_ops) <= DEFER_OPS:
+            down[n.name] = term
+            deferred[n.name] = carried | {n.name}
+            # the fused formula's users may read what the term's rank tensors are views or
+            # multiples of (`-nll` is a scale of the predicted logit the mix scales apart)
+            behind[n.name] = {x for leaf in leaves for x in _structural_inputs(prog, leaf)}
         else:
             clean[n.name] = False
             prog.opaque[n.name] = n.type
@@ -443,7 +471,20 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
+    for name in deferred.keys() - taken:
+        clean[name] = False
     return Inference(shown, clean, steps)
+
+
+def _structural_inputs(prog: DistProgram, name: str) -> set[str]:
+    d = prog.defs.get(name)
+    return d.leaves() if d is not None and d.op in _STRUCTURAL else set()
+
+
+def _compute_ops(t: Term, clean_ops: set[str]) -> int:
+    """The number of compute (not clean) op applications in `t`, counted as a tree."""
+    own = 0 if t.op in clean_ops or t.op in LEAF_OPS else 1
+    return own + sum(_compute_ops(a, clean_ops) for a in t.args)
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
