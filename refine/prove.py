@@ -21,7 +21,16 @@ from egglog import bindings
 
 from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
-from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
+from refine.opset import (
+    ATTR_SORTS,
+    COMPUTE,
+    LEAF,
+    LEAF_OUT,
+    Op,
+    Registry,
+    compile_text,
+    dims_prelude,
+)
 from refine.relate import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
@@ -414,11 +423,15 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     relation near its inputs, its users see it as the op over its inputs' relations and
     search the rank program `DEEP_HOPS` uses deep for their own counterpart.
 
-    Likewise, a node over clean inputs with no clean relation is deferred: its users see
-    its term (up to `DEFER_OPS` compute ops), since a fused formula may never hold it (a
-    loss mixing its terms per token before masking holds neither masked term alone). A
-    deferred node that some later clean relation takes in was computed (localization
-    passes over it); one that none takes in has no clean relation, as if never deferred."""
+    Likewise, a node with no clean relation is deferred: its users see its term (up to
+    `DEFER_OPS` compute ops), since a fused formula may never hold it (a loss mixing its
+    terms per token before masking holds neither masked term alone). It is carried only
+    through ops linear in it (sums, scales, views, reductions, products and quotients by
+    other tensors, a where's branches), as such a formula takes its terms apart, so a
+    wrong node's users soon see it opaque; a deferred mask (a comparison the ranks make
+    the other way round: `target == ignore` where they hold `!=`) goes into any op. A deferred node that some later clean relation
+    takes in was computed (localization passes over it); one that none takes in has no
+    clean relation, as if never deferred."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
     shown = dict(inputs)  # the best term found, for reports and expectations
     clean = {k: True for k in inputs}
@@ -428,6 +441,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     deferred: dict[str, frozenset[str]] = {}  # node -> the deferred nodes its `down` term holds
     taken: set[str] = set()  # deferred nodes a clean relation took in
     behind: dict[str, set[str]] = {}  # deferred node -> more rank tensors its users search from
+    masks: set[str] = set()  # deferred masks (comparisons, logical ops): carried into any op
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
@@ -458,9 +472,13 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             # its users see the op over its inputs' relations; left out of `clean`: whether
             # it is right is decided at its users (localization passes over it)
             down[n.name] = term
-        elif OPAQUE not in ops and not ops & fusing and _compute_ops(term, engine.clean_ops) <= DEFER_OPS:
+        elif (OPAQUE not in ops and not ops & fusing and _compute_ops(term, engine.clean_ops) <= DEFER_OPS
+              and all(i in _linear_args(registry.ops[n.op], len(n.tensor_args())) or a in masks
+                      for i, a in enumerate(n.tensor_args()) if a in deferred)):
             down[n.name] = term
             deferred[n.name] = carried | {n.name}
+            if n.op in _MASK_OPS:
+                masks.add(n.name)
             # the fused formula's users may read what the term's rank tensors are views or
             # multiples of (`-nll` is a scale of the predicted logit the mix scales apart)
             behind[n.name] = {x for leaf in leaves for x in _structural_inputs(prog, leaf)}
@@ -474,6 +492,17 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     for name in deferred.keys() - taken:
         clean[name] = False
     return Inference(shown, clean, steps)
+
+
+_MASK_OPS = frozenset({"lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t", "logical_or_t", "logical_and_t",
+                       "logical_not_t"})
+
+
+def _linear_args(op: Op, n: int) -> set[int]:
+    """The argument positions `op` is linear in (a where: in its two branches together)."""
+    if op.name == "where_t":
+        return {1, 2}
+    return set(range(n)) if op.linear in ("each", "joint") else {0} if op.linear == "first" else set()
 
 
 def _structural_inputs(prog: DistProgram, name: str) -> set[str]:
