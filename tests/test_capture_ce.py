@@ -8,6 +8,7 @@ collectives, `refine.evaluate`) to show each twin is wrong exactly where the che
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from refine.evaluate import (
 from refine.ir import Graph, Input, Node, Output, TensorType
 from refine.normalize import lower
 from refine.opset import load_registry
+from refine.prove import Engine
 from refine.soundness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
@@ -112,6 +114,16 @@ def test_megatron_per_token_mix_refines(fused_case: capture.Case) -> None:
     assert {o.name for o in report.outputs} == {"loss"} | GRADS
 
 
+@pytest.mark.parametrize("bug", ["ignored_in_denominator", "predicted_not_all_reduced"])
+def test_megatron_per_token_mix_twins_do_not_refine(bug: str) -> None:
+    """Deferring the masked terms proves nothing false: the fused twins still fail, on
+    exactly the outputs that are numerically wrong."""
+    case = capture(CE.make_case(fused=True, bug=bug))
+    report = case.check()
+    assert not report.refines and report.culprit is not None, report
+    assert failing(report) == wrong_numerically(case) != set()
+
+
 # ---------------------------------------------------------------------------------------
 # bug twins: verdict, failing outputs, the culprit and its lines
 
@@ -184,6 +196,39 @@ def test_loss_rules_sound_and_fire(symbolic: bool) -> None:
     assert results
     for res in results:
         assert res.fired and not res.failures, res
+
+
+MASK_RULES = ["where-zero-sum", "where-zero-by", "where-zero-scale", "where-zero-scale-in", "scale-into-div",
+              "scale-into-expand", "scale-full-one", "where-eq-as-ne", "where-ne-as-eq", "not-eq", "not-ne",
+              "div-by-cast"]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_mask_rules_sound_and_fire(symbolic: bool) -> None:
+    results = Harness(load_registry(), symbolic=symbolic).run(MASK_RULES)
+    assert {r.rule for r in results} == set(MASK_RULES)
+    for res in results:
+        assert res.fired and not res.failures, res
+
+
+@pytest.mark.parametrize("factor,fires", [(Fraction(0.003125), True), (Fraction(-0.9), True),
+                                          (Fraction(1, 3), False), (Fraction(2 ** 60 + 1, 2 ** 60), False)])
+def test_a_factor_becomes_a_float_constant_only_when_exact(factor: Fraction, fires: bool) -> None:
+    """scale-full-one: r * full(1.0) is full(r) only when r is a float64 exactly (the
+    harness compares within a tolerance, so it cannot tell 1/3 from its rounding)."""
+    eng = Engine(load_registry())
+    r = f'(bigrat (from-string "{factor.numerator}") (from-string "{factor.denominator}"))'
+    eng._run("(push)")
+    try:
+        eng._run(f"(let $s (Scale (full 1.0 (vec-of 2)) {r}))\n(run 3)")
+        try:
+            eng._run(f"(check (= $s (full {float(factor)!r} (vec-of 2))))")
+            fired = True
+        except RuntimeError:
+            fired = False
+    finally:
+        eng._run("(pop)")
+    assert fired == fires
 
 
 def test_a_wrong_lookup_rule_is_caught(tmp_path: Path) -> None:
