@@ -37,7 +37,10 @@ CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
-DEFER_OPS = 8  # compute ops a deferred node's term may carry to its users (see infer)
+# compute ops a deferred node's term may carry to its users (see infer); 0 turns deferral
+# off, the default: it relates Megatron's fused cross-entropy (8), but it is not yet
+# measured over every case (a twin's culprit moved, the plain vocab-parallel CE slowed)
+DEFER_OPS = 0
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -342,9 +345,9 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
     seen = set(chosen)
-    # and the constants those definitions read (`ne(target, full(-100))`): a term over the
-    # leaf's inputs then meets the leaf
-    for x in list(chosen):
+    # and, with deferral on, the constants those definitions read (`ne(target, full(-100))`):
+    # a deferred term over the leaf's inputs then meets the leaf
+    for x in list(chosen) if DEFER_OPS else ():
         for dep in sorted(prog.defs[x].leaves()):  # type: ignore[union-attr]
             if is_constant(prog, dep):
                 for c in _constant_closure(prog, dep):
@@ -423,7 +426,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     relation near its inputs, its users see it as the op over its inputs' relations and
     search the rank program `DEEP_HOPS` uses deep for their own counterpart.
 
-    Likewise, a node with no clean relation is deferred: its users see its term (up to
+    Likewise, with `DEFER_OPS` > 0, a node with no clean relation is deferred: its users see its term (up to
     `DEFER_OPS` compute ops), since a fused formula may never hold it (a loss mixing its
     terms per token before masking holds neither masked term alone). It is carried only
     through ops linear in it (sums, scales, views, reductions, products and quotients by
@@ -472,7 +475,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             # its users see the op over its inputs' relations; left out of `clean`: whether
             # it is right is decided at its users (localization passes over it)
             down[n.name] = term
-        elif (OPAQUE not in ops and not ops & fusing and _compute_ops(term, engine.clean_ops) <= DEFER_OPS
+        elif (DEFER_OPS and OPAQUE not in ops and not ops & fusing
+              and _compute_ops(term, engine.clean_ops) <= DEFER_OPS
               and all(i in _linear_args(registry.ops[n.op], len(n.tensor_args())) or a in masks
                       for i, a in enumerate(n.tensor_args()) if a in deferred)):
             down[n.name] = term

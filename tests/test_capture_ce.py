@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from capture_helpers import failing, line_of, load_model
 from torch import nn
 
-from refine import capture
+from refine import capture, prove
 from refine.capture import trace
 from refine.evaluate import (
     apply_op,
@@ -104,18 +104,37 @@ def test_without_smoothing_and_on_four_ranks(kw: dict[str, Any]) -> None:
     assert report.refines, report
 
 
+@pytest.mark.xfail(strict=True, reason="node by node, the sequential nll masked on its own has no rank "
+                                        "counterpart when the step mixes the terms per token first (README); "
+                                        "it refines with deferral on (below)")
 def test_megatron_per_token_mix_refines(fused_case: capture.Case) -> None:
-    """The smoothing term mixed in per token before masking (Megatron's form): the ranks
-    never hold F.cross_entropy's masked nll alone; the check defers it to the loss, where
-    rules/mask.py takes the mixed masked sum apart term by term."""
+    report = fused_case.check()
+    assert report.refines, report
+
+
+def test_megatron_per_token_mix_computes_the_same(fused_case: capture.Case) -> None:
     assert wrong_numerically(fused_case) == set()
+    report = fused_case.check()  # the false alarm the xfail above records, and where
+    assert report.culprit is not None and report.culprit.node == "where_1"
+
+
+@pytest.fixture
+def deferral(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deferred nodes on (refine.prove.DEFER_OPS; off by default until measured over every case)."""
+    monkeypatch.setattr(prove, "DEFER_OPS", 8)
+
+
+def test_megatron_per_token_mix_refines_with_deferral(fused_case: capture.Case, deferral: None) -> None:
+    """The smoothing term mixed in per token before masking (Megatron's form): the ranks
+    never hold F.cross_entropy's masked nll alone; deferral carries it to the loss, where
+    rules/mask.py takes the mixed masked sum apart term by term."""
     report = fused_case.check()
     assert report.refines, report
     assert {o.name for o in report.outputs} == {"loss"} | GRADS
 
 
 @pytest.mark.parametrize("bug", ["ignored_in_denominator", "predicted_not_all_reduced"])
-def test_megatron_per_token_mix_twins_do_not_refine(bug: str) -> None:
+def test_megatron_per_token_mix_twins_do_not_refine_with_deferral(bug: str, deferral: None) -> None:
     """Deferring the masked terms proves nothing false: the fused twins still fail, on
     exactly the outputs that are numerically wrong."""
     case = capture(CE.make_case(fused=True, bug=bug))
