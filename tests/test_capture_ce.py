@@ -193,11 +193,13 @@ def test_predicted_not_all_reduced_is_found_where_a_rank_uses_its_piece() -> Non
     assert c.rank_source == line_of(CE_PATH, "loss = torch.where(valid, nll, 0.0).sum() / count")
 
 
-def test_ignored_in_denominator_is_found_at_the_token_count() -> None:
+def test_ignored_in_denominator_is_found_at_the_float_token_count() -> None:
     report, c = _culprit("ignored_in_denominator")
     assert failing(report) == {"loss"} | GRADS
-    # the sequential mean divides by the count of targets not ignored, which no rank computes
-    assert c.node == "sum_1" and c.op == "sum" and c.source == line_of(CE_PATH, SEQ_LINE)
+    # the sequential mean divides by the count of targets not ignored as a float: the ranks
+    # count them too (the smoothing mean's `(~ignored).sum()`, related since not(==) is !=,
+    # rules/mask.py), but never divide by that count as a float
+    assert c.node == "_to_copy" and c.source == line_of(CE_PATH, SEQ_LINE), c
 
 
 # ---------------------------------------------------------------------------------------
