@@ -128,6 +128,7 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
         "TransposeBy": lambda i, j, x: ref("transpose")(x, dim0=i, dim1=j),
         "MulBy": lambda y, x: ref("mul_t")(x, y),
         "DivBy": lambda y, x: ref("div_t")(x, y),
+        "WhereZero": lambda c, z, x: ref("where_t")(c, x, z),  # rules/mask.py
         "MatmulBy": lambda b, a: ref("matmul")(a, b),
         "RsumBy": lambda d, x: ref("rsum")(x, dim=d),
         "RmaxBy": lambda d, x: ref("rmax")(x, dim=d),

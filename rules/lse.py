@@ -80,47 +80,49 @@ OPS = [
 ]
 
 
-# Each rule finds one term of a two-term sum with a selective pattern and `multiset-contains`
-# and binds the other with `multiset-pick` of the rest: a join of every candidate term of
-# the e-graph with every other (all `exp_t`s with all `Scale`s, say) makes steps crawl.
+# Each rule finds one term of a two-term sum with a selective pattern, reaches the sums
+# holding it through the sum index (`SumHas`/`SumPair`, rules/structure.py), and binds the
+# other term with `multiset-pick` of the rest. Without the index egglog joins every
+# candidate sum with every candidate term before testing membership: `logaddexp-def` alone
+# spent ~20 s per iteration on a context-parallel step of ~1000 e-nodes and no match.
 RULES_DEF: list[Rule] = [
     # m + log(sum(exp(x - m))) over d is the log-sum-exp of x, whatever the finite row
     # constant m (the row max, for stability)
     rule("lse-def",
-         ["(= lg (log_t (rsum (exp_t (Sum ms2)) d)))", "(= e (Sum ms))", "(= (multiset-length ms) 2)",
-          "(multiset-contains ms lg)", "(= m (multiset-pick (multiset-remove ms lg)))",
-          "(= (multiset-length ms2) 2)", "(= neg (Scale (expand m sh) r))", f"(= r {NEG})",
-          "(multiset-contains ms2 neg)", "(= x (multiset-pick (multiset-remove ms2 neg)))",
-          "(= (shape x) sh)"],
+         ["(= lg (log_t (rsum (exp_t s2) d)))", "(SumHas s2 neg)", "(= neg (Scale (expand m sh) r))", f"(= r {NEG})",
+          "(= s2 (Sum ms2))", "(= (multiset-length ms2) 2)", "(multiset-contains ms2 neg)",
+          "(= x (multiset-pick (multiset-remove ms2 neg)))", "(= (shape x) sh)",
+          "(SumHas e lg)", "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms lg)",
+          "(= m (multiset-pick (multiset-remove ms lg)))"],
          ["(union e (lse_c x d))"]),
     # mx + log(exp(a - mx) + exp(b - mx)) is log(exp(a) + exp(b)), whatever mx
     rule("logaddexp-def",
-         ["(= lg (log_t (Sum ms2)))", "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms lg)",
-          "(= mx (multiset-pick (multiset-remove ms lg)))", "(= (multiset-length ms2) 2)",
-          "(= ea (multiset-pick ms2))", "(= eb (multiset-pick (multiset-remove ms2 ea)))",
-          "(= ea (exp_t (Sum msa)))", "(= eb (exp_t (Sum msb)))", "(= na (Scale mx r))", f"(= r {NEG})",
-          "(= (multiset-length msa) 2)", "(multiset-contains msa na)",
-          "(= (multiset-length msb) 2)", "(multiset-contains msb na)",
-          "(= a (multiset-pick (multiset-remove msa na)))", "(= b (multiset-pick (multiset-remove msb na)))"],
+         ["(= lg (log_t s2))", "(SumPair ea eb s2)", "(= ea (exp_t sa))", "(= eb (exp_t sb))",
+          "(SumHas sa na)", "(= na (Scale mx r))", f"(= r {NEG})", "(SumHas sb na)",
+          "(= sa (Sum msa))", "(= (multiset-length msa) 2)", "(multiset-contains msa na)",
+          "(= sb (Sum msb))", "(= (multiset-length msb) 2)", "(multiset-contains msb na)",
+          "(= a (multiset-pick (multiset-remove msa na)))", "(= b (multiset-pick (multiset-remove msb na)))",
+          "(SumHas e lg)", "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms lg)",
+          "(= mx (multiset-pick (multiset-remove ms lg)))"],
          ["(union e (logaddexp_t a b))"]),
     # a block's output: exp(s - m) @ v divided by the row sum of exp(s - m), any m
     rule("attn-block",
-         ["(= e (div_t (matmul p v) (expand (rsum p d) sh)))", "(= p (exp_t (Sum ms)))",
-          "(= (multiset-length ms) 2)", "(= neg (Scale (expand m sh2) r))", f"(= r {NEG})",
-          "(multiset-contains ms neg)", "(= s (multiset-pick (multiset-remove ms neg)))",
+         ["(= e (div_t (matmul p v) (expand (rsum p d) sh)))", "(= p (exp_t s2))", "(SumHas s2 neg)",
+          "(= neg (Scale (expand m sh2) r))", f"(= r {NEG})", "(= s2 (Sum ms))",
+          "(= (multiset-length ms) 2)", "(multiset-contains ms neg)", "(= s (multiset-pick (multiset-remove ms neg)))",
           "(= d (- (ndim s) 1))", "(= (ndim v) (ndim s))"],
          ["(union e (attn_c s v))"]),
     # the online-softmax merge of two blocks' outputs, each rescaled by exp(its lse - the
     # merged lse), is attention over both blocks
     rule("attn-merge",
-         ["(= ta (mul_t oa (expand (exp_t (Sum msa)) sh)))", "(= oa (attn_c a va))",
+         ["(= ta (mul_t oa (expand (exp_t sa) sh)))", "(= oa (attn_c a va))", "(SumHas e ta)",
           "(= e (Sum ms))", "(= (multiset-length ms) 2)", "(multiset-contains ms ta)",
           "(= tb (multiset-pick (multiset-remove ms ta)))",
-          "(= tb (mul_t ob (expand (exp_t (Sum msb)) sh)))", "(= ob (attn_c b vb))", "(= d (- (ndim a) 1))",
+          "(= tb (mul_t ob (expand (exp_t sb) sh)))", "(= ob (attn_c b vb))", "(= d (- (ndim a) 1))",
           "(= la (lse_c a d))", "(= lb (lse_c b d))", "(= l (logaddexp_t la lb))",
-          "(= nl (Scale l r))", f"(= r {NEG})",
-          "(= (multiset-length msa) 2)", "(multiset-contains msa la)", "(multiset-contains msa nl)",
-          "(= (multiset-length msb) 2)", "(multiset-contains msb lb)", "(multiset-contains msb nl)"],
+          "(= nl (Scale l r))", f"(= r {NEG})", "(SumHas sa nl)", "(SumHas sb nl)",
+          "(= sa (Sum msa))", "(= (multiset-length msa) 2)", "(multiset-contains msa la)", "(multiset-contains msa nl)",
+          "(= sb (Sum msb))", "(= (multiset-length msb) 2)", "(multiset-contains msb lb)", "(multiset-contains msb nl)"],
          ["(union e (attn_c (cat a b d) (cat va vb (- d 1))))"]),
 ]
 

@@ -8,6 +8,7 @@ collectives, `refine.evaluate`) to show each twin is wrong exactly where the che
 from __future__ import annotations
 
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from refine.evaluate import (
 from refine.ir import Graph, Input, Node, Output, TensorType
 from refine.normalize import lower
 from refine.opset import load_registry
+from refine.prove import Engine
 from refine.soundness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
@@ -165,11 +167,13 @@ def test_predicted_not_all_reduced_is_found_where_a_rank_uses_its_piece() -> Non
     assert c.rank_source == line_of(CE_PATH, "loss = torch.where(valid, nll, 0.0).sum() / count")
 
 
-def test_ignored_in_denominator_is_found_at_the_token_count() -> None:
+def test_ignored_in_denominator_is_found_at_the_float_token_count() -> None:
     report, c = _culprit("ignored_in_denominator")
     assert failing(report) == {"loss"} | GRADS
-    # the sequential mean divides by the count of targets not ignored, which no rank computes
-    assert c.node == "sum_1" and c.op == "sum" and c.source == line_of(CE_PATH, SEQ_LINE)
+    # the sequential mean divides by the count of targets not ignored as a float: the ranks
+    # count them too (the smoothing mean's `(~ignored).sum()`, related since not(==) is !=,
+    # rules/mask.py), but never divide by that count as a float
+    assert c.node == "_to_copy" and c.source == line_of(CE_PATH, SEQ_LINE), c
 
 
 # ---------------------------------------------------------------------------------------
@@ -187,6 +191,39 @@ def test_loss_rules_sound_and_fire(symbolic: bool) -> None:
     assert results
     for res in results:
         assert res.fired and not res.failures, res
+
+
+MASK_RULES = ["where-zero-sum", "where-zero-by", "where-zero-scale", "where-zero-scale-in", "scale-into-div",
+              "scale-into-expand", "scale-full-one", "where-eq-as-ne", "where-ne-as-eq", "not-eq", "not-ne",
+              "div-by-cast"]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_mask_rules_sound_and_fire(symbolic: bool) -> None:
+    results = Harness(load_registry(), symbolic=symbolic).run(MASK_RULES)
+    assert {r.rule for r in results} == set(MASK_RULES)
+    for res in results:
+        assert res.fired and not res.failures, res
+
+
+@pytest.mark.parametrize("factor,fires", [(Fraction(0.003125), True), (Fraction(-0.9), True),
+                                          (Fraction(1, 3), False), (Fraction(2 ** 60 + 1, 2 ** 60), False)])
+def test_a_factor_becomes_a_float_constant_only_when_exact(factor: Fraction, fires: bool) -> None:
+    """scale-full-one: r * full(1.0) is full(r) only when r is a float64 exactly (the
+    harness compares within a tolerance, so it cannot tell 1/3 from its rounding)."""
+    eng = Engine(load_registry())
+    r = f'(bigrat (from-string "{factor.numerator}") (from-string "{factor.denominator}"))'
+    eng._run("(push)")
+    try:
+        eng._run(f"(let $s (Scale (full 1.0 (vec-of 2)) {r}))\n(run 3)")
+        try:
+            eng._run(f"(check (= $s (full {float(factor)!r} (vec-of 2))))")
+            fired = True
+        except RuntimeError:
+            fired = False
+    finally:
+        eng._run("(pop)")
+    assert fired == fires
 
 
 def test_a_wrong_lookup_rule_is_caught(tmp_path: Path) -> None:
