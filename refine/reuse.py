@@ -161,7 +161,9 @@ class Replayer:
         from refine.prove import StepResult
 
         cands = self.memo.get(self.key(term))
-        if not cands:
+        if not cands or "D" not in term.ops():
+            # a constant term's step finds the rank constants near this node (they join its
+            # class and later steps use them); a replay would only find the earlier layer's
             return None
         target = canon(term, self.prog.same.find)
         for prem, res in cands:
@@ -175,8 +177,24 @@ class Replayer:
                 continue
             self.stats["replayed"] += 1
             self.fired.update(prem.fired)
-            return StepResult(best, res.cost, found, [], 0.0)
+            return StepResult(best, res.cost, found + self._congruent(found), [], 0.0)
         return None
+
+    def _congruent(self, found: list[str]) -> list[str]:
+        """Rank tensors with the same definition (op, attributes, input classes) as a found
+        one: equal to it by congruence. A fresh step finds them when they are near this node
+        (a rank viewing one sum twice); the renamed proof only names the earlier layer's."""
+        prog, out = self.prog, []
+        for f in found:
+            d = self._def(f)
+            if d is None or not d.leaves():
+                continue
+            x = min(d.leaves())
+            for m in prog.same.group(x):
+                for u in prog.users.get(m, ()):
+                    if u not in found and u not in out and self._def(u) == d:
+                        out.append(u)
+        return out
 
     def _map(self, prem: Premises, target: Term) -> dict[Name, str] | None:
         """A renaming of the premises' names onto this program: the sequential terms matched,
