@@ -28,6 +28,8 @@ CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
+FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
+INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -342,15 +344,25 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
             chosen.append(x)
         layer.add(x)
         avail.add(canon(x))
+    free = FREE_INDEX_OPS
     for _ in range(hops):
         nxt: set[str] = set()
-        for x in layer:
+        todo = sorted(layer)
+        while todo:
+            x = todo.pop()
             for u in prog.users.get(x, ()):
-                if u in seen:
+                if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
+                    # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
+                    # few ops over the ids each): it costs no hop, so the lookup it feeds and
+                    # the lookup's users stay as near as they are to the table
+                    if free and prog.types[u].dtype in INDEX_DTYPES:
+                        free -= 1
+                        avail.add(canon(u))
+                        todo.append(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
