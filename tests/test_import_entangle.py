@@ -103,7 +103,9 @@ def test_aws_llama_tp2_refines(tmp_path: Path) -> None:
 @needs_corpus
 def test_bug_grad_accumulation(tmp_path: Path) -> None:
     """Two micro-batches each averaged over 4, then added: the loss is twice the sequential
-    one's mean. The relation shows each micro-batch mean taken with weight 1/2."""
+    one's mean. The relation shows each micro-batch mean taken with weight 1/2, next to a term
+    (the accumulator's start) weighted right; the culprit is the per-micro-batch mean's line,
+    whose 1/4 times 1/2 makes the loss right (refine.factor, the factor read off the terms)."""
     r, out = _import(tmp_path, "bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug",
                      "bug_grad_accumulation.json")
     assert r.exit_code == 0, r.output
@@ -113,8 +115,11 @@ def test_bug_grad_accumulation(tmp_path: Path) -> None:
     assert not loss.ok and "1/2 * mean.view@0" in loss.relation and "1/2 * mean_1.view@0" in loss.relation
     c = report.culprit
     assert c is not None and c.output == "loss"
-    # the accumulation's add, and the per-micro-batch means it adds, at the loss line
-    assert c.rank_node == "add_3.Sum@0" and c.source == "trace_trainer.py:2487"
+    # the per-micro-batch mean, named at its line; the sequential node is the accumulating add
+    assert c.source == c.rank_source == "test_trainer_simple.py:100", c
+    assert c.rank_node.split(".")[0] in ("mean", "mean_1") and c.rank_node.endswith("@0"), c.rank_node
+    assert c.seq_source == "trace_trainer.py:2487" and c.node == "add_1"
+    assert "1/4 times 1/2 = 1/8" in c.reason and "weight differently" in c.reason, c.reason
     assert any("mean.Scale@0" in n and "test_trainer_simple.py:100" in n for n in c.rank_nodes), c.rank_nodes
 
 
