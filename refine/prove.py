@@ -327,9 +327,11 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
     return out
 
 
-def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) -> list[str]:
+def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
+             defined: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
-    leaves' own definitions, in a deterministic order."""
+    leaves' own definitions, in a deterministic order. An input in `defined` (available, like
+    the known ones) comes along with its definition, as constants do."""
     canon = prog.same.find
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
@@ -367,6 +369,9 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
             for dep in sorted(prog.defs[u].leaves()):  # type: ignore[union-attr]
+                if dep in defined and dep not in seen:
+                    seen.add(dep)
+                    chosen.append(dep)
                 if is_constant(prog, dep):
                     for c in _constant_closure(prog, dep):
                         if c not in seen:
@@ -420,6 +425,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
+    counterparts: set[str] = set()  # see _counterparts: available, with their definitions
     fusing = {name for name, op in registry.ops.items() if op.fuse}
     for n in seq.nodes:
         term = node_term(n, down, registry)
@@ -432,8 +438,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         if OPAQUE not in ops and over_fused:
             tries = (hops[0], DEEP_HOPS)  # over a fused term: its rank counterpart lies far downstream
         res = None
+        tensors: list[str] = []
         for h in tries:
-            tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
+            tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, h, counterparts)
             res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
             if res.clean:
                 break
@@ -441,6 +448,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
+        if res.clean:
+            counterparts |= _counterparts(prog, n.op, leaves, tensors) - known
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
@@ -456,6 +465,24 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             if f in prog.types:
                 prog.same.union(res.found[0], f)
     return Inference(shown, clean, steps)
+
+
+def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[str]) -> set[str]:
+    """Rank tensors of a step that apply the sequential node's own op to the tensors its
+    inputs relate to (with other attributes: a broadcast to a rank's head count). The
+    relation found may be another rank tensor of equal value and shape (a query's rotary
+    factor standing for the key's, where the ranks' query heads are as many as the key's),
+    and the later steps must still reach the ranks' own uses of their counterparts, and know
+    what they are. Only makes them (and their definitions) available to later frontiers:
+    what is proven stays the e-graph's business."""
+    find = prog.same.find
+    ins = {find(x) for x in _with_replicas(prog, leaves)}
+    out: set[str] = set()
+    for u in tensors:
+        d = prog.defs.get(u)
+        if d is not None and d.op == op and d.leaves() and {find(x) for x in d.leaves()} <= ins:
+            out.add(u)
+    return out
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
