@@ -66,16 +66,14 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids (dim 0))"),
         rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
              ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (d+ s k)))))"]),
+        # each form of the masked lookup: `masked_fill` (Megatron), and the products with the
+        # in-range mask (vLLM, and `in * (ids - s)`)
         rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('ids')})"], symbolic=False),
+             [f"(union e {_masked_lookup('ids')})", f"(union e {_product_lookup(f'(mul_t {_IN} ids)')})"],
+             symbolic=False),
         rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(d> s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"], symbolic=False),
-        rule("emb-rows-first-product", ["(= e (EmbRows w ids s))", "(= s (dim 0))", "(= si (shape ids))",
-                                        "(= sw (shape w))"],
-             [f"(union e {_product_lookup(f'(mul_t {_IN} ids)')})"], symbolic=False),
-        rule("emb-rows-shifted-product", ["(= e (EmbRows w ids s))", "(d> s (dim 0))", "(= si (shape ids))",
-                                          "(= sw (shape w))"],
-             [f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids (full (to-f64 (- 0 s)) si))))')})",
+             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})",
+              f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids (full (to-f64 (- 0 s)) si))))')})",
               f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids {_NEG_S})))')})"],
              symbolic=False),
     ]
