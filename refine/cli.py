@@ -37,7 +37,7 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...]) -> None:
     if fmt == "json":
         click.echo(report.to_json())
     else:
-        print_report(report, Console())
+        print_report(report, Console(emoji=False))
     sys.exit(report.exit_code)
 
 
@@ -74,7 +74,7 @@ def capture_cmd(target: str, out: str, world_size: int | None, then_check: bool)
     except InputError as e:
         _bad_input(str(e), "text")
         return
-    print_report(report, Console())
+    print_report(report, Console(emoji=False))
     sys.exit(report.exit_code)
 
 

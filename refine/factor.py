@@ -86,18 +86,39 @@ def _literal_factor(n: Node) -> tuple[Fraction, int] | None:
     return None
 
 
-def _edited(n: Node, c: Fraction) -> Node:
-    """The node with its constant factor multiplied by c."""
+def _mean_factor(n: Node, g: Graph) -> Fraction | None:
+    """A mean scales the sum it takes by 1/(the number of elements averaged): a constant
+    factor like a division's literal (a loss averaged over a micro-batch, not the batch)."""
+    if n.op != "mean" or len(n.tensor_args()) != 1:
+        return None
+    x = g.type_of(n.tensor_args()[0])
+    if not all(isinstance(d, int) for d in (*x.shape, *n.type.shape)):
+        return None
+    k = math.prod(x.shape) // max(math.prod(n.type.shape), 1)
+    return Fraction(1, k) if k > 1 else None
+
+
+def _factor(n: Node, g: Graph) -> Fraction | None:
+    """The constant factor a candidate line's node scales by (its literal's, or its mean's)."""
+    lit = _literal_factor(n)
+    return lit[0] if lit is not None else _mean_factor(n, g)
+
+
+def _edited(n: Node, c: Fraction) -> list[Node]:
+    """The node(s) computing the node's value with its constant factor multiplied by c."""
     if n.op in REDUCTIONS:
-        return replace(n, attrs={**n.attrs, "reduce_op": "sum" if n.attrs.get("reduce_op") == "avg" else "avg"})
+        return [replace(n, attrs={**n.attrs, "reduce_op": "sum" if n.attrs.get("reduce_op") == "avg" else "avg"})]
+    if n.op == "mean":  # the mean, then times c, under the node's name
+        inner = replace(n, name=f"{n.name}.unscaled")
+        return [inner, Node(n.name, "mul", [inner.name, float(c)], {}, n.type, n.source, n.origin)]
     lit = _literal_factor(n)
     assert lit is not None
     f, i = lit
     if i < 0:
-        return replace(n, attrs={**n.attrs, "value": float(f * c)})
+        return [replace(n, attrs={**n.attrs, "value": float(f * c)})]
     args = list(n.args)
     args[i] = float(f * c) if n.op == "mul" else float(1 / (f * c))
-    return replace(n, args=args)
+    return [replace(n, args=args)]
 
 
 def _outputs_ok(seq_vals: Mapping[str, torch.Tensor], seq: Graph, dist: Dist, outs: Mapping[str, torch.Tensor],
@@ -117,10 +138,16 @@ def _rank_outputs(graphs: Mapping[int, Graph], vals: Mapping[int, Mapping[str, t
 
 
 def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
-                 proven: Callable[[int, str], bool] = lambda r, n: False, seed: int = 0) -> WrongFactor | None:
+                 proven: Callable[[int, str], bool] = lambda r, n: False, seed: int = 0,
+                 factor: Fraction | None = None) -> WrongFactor | None:
     """The rank program line whose constant factor, multiplied by the one constant `c` every
     failing output is off by, makes every output right; None when the failing outputs are
     not all off by one constant, or no single line's edit repairs them.
+
+    `factor` gives `c` instead, when the outputs are not multiples of what the ranks hold but
+    some of the terms they sum are (the checker reads it off the relations: a loss that adds
+    micro-batch means where it should add half of each, next to a term that is right); the
+    edit must still make every output right.
 
     `proven(rank, node)` says the checker proved that rank node equal to a sequential tensor:
     a line with such a node computes a right value there, so its constant is not the wrong
@@ -144,17 +171,20 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         if not terms or name not in refs:
             return None
         for t in terms:
-            try:
-                got = eval_term(t, registry, outs)
-            except Exception:  # noqa: BLE001 - not a constant multiple, then
-                return None
-            c = _ratio(seq_vals[refs[name]], got)
-            if c is None:
-                return None
-            factors.add(c)
+            if factor is None:
+                try:
+                    got = eval_term(t, registry, outs)
+                except Exception:  # noqa: BLE001 - not a constant multiple, then
+                    return None
+                c = _ratio(seq_vals[refs[name]], got)
+                if c is None:
+                    return None
+                factors.add(c)
             for leaf in t.leaves():
                 local, _, r = leaf.rpartition("@")
                 roots[int(r)].add(dist.ranks[int(r)].output(local).ref)
+    if factor is not None:
+        factors = {factor}
     if len(factors) != 1 or Fraction(1) in factors:
         return None
     (c,) = factors
@@ -186,17 +216,18 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                 flip = Fraction(size) if n.attrs["reduce_op"] == "avg" else Fraction(1, size)
                 if flip == c:
                     groups.setdefault((n.source, f"{n.op} {n.attrs['reduce_op']}"), []).append((r, n))
-            elif (lit := _literal_factor(n)) is not None and lit[0] != 1:  # a 1 scales nothing (a backward seed)
-                groups.setdefault((n.source, str(lit[0])), []).append((r, n))
+            elif (f := _factor(n, g)) is not None and f != 1:  # a 1 scales nothing (a backward seed)
+                groups.setdefault((n.source, str(f)), []).append((r, n))
     ranked = []
     for key, members in groups.items():
         near = [(dist_of[(r, n.name)], r, n.name) for r, n in members if (r, n.name) in dist_of]
         if not near:
             continue  # the line does not feed a failing output
-        lit = _literal_factor(members[0][1])
+        q, first = members[0]
+        f = _factor(first, dist.ranks[q])
         # a factor the fix makes 1 says the line should not scale at all (a second division):
         # the most specific explanation, tried before the lines whose factor is only off
-        removes = lit is not None and lit[0] * c == 1
+        removes = f is not None and f * c == 1
         ranked.append((not removes, min(near), key, members))
     ranked.sort(key=lambda x: (x[0], x[1], x[2]))
     tries = 0
@@ -207,7 +238,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             continue
         tries += 1
         edit = {(q, n.name) for q, n in members}
-        graphs = {q: replace(g, nodes=[_edited(n, c) if (q, n.name) in edit else n for n in g.nodes])
+        graphs = {q: replace(g, nodes=[m for n in g.nodes for m in (_edited(n, c) if (q, n.name) in edit else [n])])
                   for q, g in dist.ranks.items()}
         try:
             vals = eval_ranks(graphs, registry, rank_in)
@@ -220,9 +251,9 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                 desc = f"{node.op} with {'SUM' if node.attrs['reduce_op'] == 'avg' else 'AVG'} instead of " \
                        f"{node.attrs['reduce_op'].upper()}"
             else:
-                lit = _literal_factor(node)
-                assert lit is not None
-                desc = f"its factor {lit[0]} times {c} = {lit[0] * c}"
+                f = _factor(node, dist.ranks[r])
+                assert f is not None
+                desc = f"its factor {f} times {c} = {f * c}"
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
                                sorted(failing))
     return None

@@ -95,8 +95,8 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             rank_node, rank_source = made, prog.nodes[made].source
         wrong = _wrong_factor(seq, dist, registry, failing, inf, prog) if dist is not None else None
         if wrong is not None:
-            rank_node, rank_source, edit = wrong
-            reason = (f"every failing output is off by one constant factor, and the rank programs scale by a wrong "
+            rank_node, rank_source, edit, lead = wrong
+            reason = (f"{lead}, and the rank programs scale by a wrong "
                       f"constant at {rank_source}: {edit}. The sequential value of output {first.name!r} is "
                       f"{first.relation} over rank tensors, but the rank outputs do not hold it: {first.detail}")
         if node is None:  # the output is an input of the sequential graph
@@ -146,9 +146,9 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
 
 
 def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
-                  prog: DistProgram) -> tuple[str, str, str] | None:
+                  prog: DistProgram) -> tuple[str, str, str, str] | None:
     """`refine.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
-    it, its source line, what the edit was), or None. A rank node the relations prove equal
+    it, its source line, what the edit was, what was off), or None. A rank node the relations prove equal
     to a sequential tensor is right, so its line is not edited."""
     find = prog.same.find
     renames: dict[int, dict[str, str]] = {}
@@ -159,14 +159,68 @@ def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[Outp
         return tensor_name(r, renames[r].get(name, name))
 
     exact = {find(rel.attrs[0]) for n, rel in inf.relations.items() if rel.op == "D" and inf.clean.get(n, False)}
-    found = wrong_factor(seq, dist, registry, [r.name for r in failing],
-                         proven=lambda r, name: find(core_name(r, name)) in exact)
+    names = [r.name for r in failing]
+    found = wrong_factor(seq, dist, registry, names, proven=lambda r, name: find(core_name(r, name)) in exact)
+    terms = found is None and (c := _term_factor(failing, core_refs(seq, registry), inf, prog)) is not None
+    if terms:
+        found = wrong_factor(seq, dist, registry, names, proven=lambda r, name: find(core_name(r, name)) in exact,
+                             factor=c)
     if found is None or not found.source:
         return None
     made = core_name(found.rank, found.node)
+    held = "the terms the ranks weight otherwise are" if terms else "the outputs are"
     what = (f"{found.node}@{found.rank} ({made}) and the other nodes of that line, edited ({found.edit}), make "
-            f"every output right on random inputs, while the outputs are {found.factor} times what the ranks hold")
-    return made, found.source, what
+            f"every output right on random inputs, while {held} {found.factor} times what the ranks hold")
+    lead = ("the terms that every failing output and the rank outputs weight differently are all off by one "
+            "constant factor") if terms else "every failing output is off by one constant factor"
+    return made, found.source, what, lead
+
+
+def core_refs(seq: Graph, registry: Registry) -> dict[str, str]:
+    """Each sequential output's core tensor."""
+    core = lower(seq, registry)[0]
+    return {o.name: o.ref for o in core.outputs}
+
+
+def _linear(t: Term, prog: DistProgram, c: Fraction, out: dict[str, Fraction]) -> None:
+    """The coefficient of each term of t read as a weighted sum (Sum and Scale, through the
+    definitions of rank tensors that are sums or scales; anything else is one term)."""
+    if t.op == "Scale":
+        _linear(t.args[0], prog, c * Fraction(t.attrs[0]), out)
+    elif t.op == "Sum":
+        for a in t.args:
+            _linear(a, prog, c, out)
+    elif t.op == "D" and (d := prog.defs.get(t.attrs[0])) is not None and d.op in ("Sum", "Scale"):
+        _linear(d, prog, c, out)
+    else:
+        key = prog.same.find(t.attrs[0]) if t.op == "D" else str(t.rename(prog.same.find))
+        out[key] = out.get(key, Fraction(0)) + c
+
+
+def _term_factor(failing: list[OutputResult], refs: dict[str, str], inf: Inference,
+                 prog: DistProgram) -> Fraction | None:
+    """When each failing output's clean relation and the rank output expected to hold it are
+    weighted sums of the same terms, and the terms whose weights differ are all off by one
+    factor c (a loss adding micro-batch means where the sequential mean halves each, next to a
+    term that is right): c. The rank line that scales those terms by a wrong constant is then
+    found as for a wrong factor of the whole output (`refine.factor`)."""
+    ratios: set[Fraction] = set()
+    for r in failing:
+        rel = inf.relations.get(refs.get(r.name, ""))
+        if rel is None or not inf.clean.get(refs[r.name], False) or r.local is None:
+            return None
+        want: dict[str, Fraction] = {}
+        _linear(rel, prog, Fraction(1), want)
+        held = [t for k, t in sorted(prog.outputs.items()) if k.rpartition("@")[0] == r.local]
+        if not held:
+            return None
+        for tensor in held:
+            got: dict[str, Fraction] = {}
+            _linear(Term("D", (), (tensor,)), prog, Fraction(1), got)
+            if set(got) != set(want) or any(v == 0 for v in got.values()):
+                return None
+            ratios |= {want[k] / got[k] for k in want if want[k] != got[k]}
+    return ratios.pop() if len(ratios) == 1 else None
 
 
 def _wrong_message(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, str | None, str] | None:

@@ -31,6 +31,8 @@ DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
 CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by its users
 CARRY_HOPS = 12  # and the frontier of their steps' retry
+FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
+INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -335,9 +337,11 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
     return out
 
 
-def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) -> list[str]:
+def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
+             defined: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
-    leaves' own definitions, in a deterministic order."""
+    leaves' own definitions, in a deterministic order. An input in `defined` (available, like
+    the known ones) comes along with its definition, as constants do."""
     canon = prog.same.find
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
@@ -361,19 +365,32 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int) ->
             chosen.append(x)
         layer.add(x)
         avail.add(canon(x))
+    free = FREE_INDEX_OPS
     for _ in range(hops):
         nxt: set[str] = set()
-        for x in layer:
+        todo = sorted(layer)
+        while todo:
+            x = todo.pop()
             for u in prog.users.get(x, ()):
-                if u in seen:
+                if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
+                    # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
+                    # few ops over the ids each): it costs no hop, so the lookup it feeds and
+                    # the lookup's users stay as near as they are to the table
+                    if free and prog.types[u].dtype in INDEX_DTYPES:
+                        free -= 1
+                        avail.add(canon(u))
+                        todo.append(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
             for dep in sorted(prog.defs[u].leaves()):  # type: ignore[union-attr]
+                if dep in defined and dep not in seen:
+                    seen.add(dep)
+                    chosen.append(dep)
                 if is_constant(prog, dep):
                     for c in _constant_closure(prog, dep):
                         if c not in seen:
@@ -432,6 +449,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
+    counterparts: set[str] = set()  # see _counterparts: available, with their definitions
     fusing = {name for name, op in registry.ops.items() if op.fuse}
     # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
@@ -452,9 +470,10 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             # (the rank holds no more of it than of the term) is searched near only
             tries = hops[:1] if n.op in _STRUCTURAL else (hops[0], CARRY_HOPS)
         res = replayer.replay(term) if replayer is not None else None
+        tensors: list[str] = []
         if res is None:
             for h in tries:
-                tensors = frontier(prog, _with_replicas(prog, leaves), known, h)
+                tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, h, counterparts)
                 res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
                 if res.clean:
                     break
@@ -464,6 +483,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
+        if res.clean:
+            counterparts |= _counterparts(prog, n.op, leaves, tensors) - known
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
@@ -516,6 +537,24 @@ def _dag_size(t: Term) -> int:
         seen.add(x)
         todo.extend(x.args)
     return len(seen)
+
+
+def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[str]) -> set[str]:
+    """Rank tensors of a step that apply the sequential node's own op to the tensors its
+    inputs relate to (with other attributes: a broadcast to a rank's head count). The
+    relation found may be another rank tensor of equal value and shape (a query's rotary
+    factor standing for the key's, where the ranks' query heads are as many as the key's),
+    and the later steps must still reach the ranks' own uses of their counterparts, and know
+    what they are. Only makes them (and their definitions) available to later frontiers:
+    what is proven stays the e-graph's business."""
+    find = prog.same.find
+    ins = {find(x) for x in _with_replicas(prog, leaves)}
+    out: set[str] = set()
+    for u in tensors:
+        d = prog.defs.get(u)
+        if d is not None and d.op == op and d.leaves() and {find(x) for x in d.leaves()} <= ins:
+            out.add(u)
+    return out
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:

@@ -63,13 +63,13 @@ class Report:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        console = Console(record=True, width=120, force_terminal=False, file=io.StringIO())
+        console = Console(record=True, width=120, force_terminal=False, file=io.StringIO(), emoji=False)
         print_report(self, console)
         return console.export_text()
 
 
 def print_report(r: Report, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or Console(emoji=False)
     table = Table(title="sequential outputs", show_lines=False)
     for col in ("output", "role", "relation over rank tensors", "expectation", "ok"):
         table.add_column(col, overflow="fold")

@@ -124,6 +124,9 @@ def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     x, y = (_constant(b, a) for a in args)
     if not isinstance(x, str) and not isinstance(y, str):
         return b.const(float(Fraction(x) * Fraction(y)), out.shape, out.dtype)
+    if (not isinstance(x, str) and x == 0) or (not isinstance(y, str) and y == 0):
+        # zero times a (real) value: zeros, not a Scale by 0 (vLLM's `org_mask * start` on rank 0)
+        return b.const(0.0, out.shape, out.dtype)
     if not isinstance(y, str) and isinstance(x, str):
         return b.scale(_operand(b, x, out.shape), Fraction(y))
     if not isinstance(x, str) and isinstance(y, str):
@@ -138,6 +141,39 @@ def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
             raise ShapeError("division by the literal 0")
         return b.scale(_operand(b, x, out.shape), 1 / Fraction(y))
     return _lower_elementwise("div_t")(b, args, attrs, out)
+
+
+def _empty_range(b: Builder, x: Arg, y: Arg) -> bool:
+    """x and y are `t >= a` and `t < c` (either order) over one tensor with constants a >= c:
+    no value is in [a, c) (vLLM's added-vocab range when no tokens were added)."""
+    nodes = [b.graph.index().get(a) if isinstance(a, str) else None for a in (x, y)]
+    if not all(isinstance(n, Node) for n in nodes):
+        return False
+    by_op = {n.op: n for n in nodes}  # type: ignore[union-attr]
+    ge, lt = by_op.get("ge_t"), by_op.get("lt_t")
+    if ge is None or lt is None or ge.args[0] != lt.args[0]:
+        return False
+    a, c = _constant(b, ge.args[1]), _constant(b, lt.args[1])
+    return not isinstance(a, str) and not isinstance(c, str) and a >= c
+
+
+def _lower_logical(core: str):
+    """logical and/or of masks, folding what is known at lowering: an and with an empty range
+    or with false is false, an or with false is the other (bool) mask. A mask known false
+    then zeroes the arithmetic done with it (`_mul`, `_add`) instead of reaching the prover."""
+
+    def decompose(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+        x, y = args
+        false = [not isinstance(a, str) and not a or (isinstance(a, str) and _constant(b, a) == 0) for a in args]
+        if core == "logical_and_t" and (any(false) or _empty_range(b, x, y)):
+            return b.const(0.0, out.shape, out.dtype)
+        if core == "logical_or_t" and any(false):
+            other = y if false[0] else x
+            if isinstance(other, str) and b.type(other).dtype == "bool" and b.type(other).shape == out.shape:
+                return other
+        return _lower_elementwise(core)(b, args, attrs, out)
+
+    return decompose
 
 
 def _masked_fill(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
@@ -250,13 +286,13 @@ OPS = [
        ref=lambda x, m, p: x * m / (1 - p), decompose=_dropout,
        doc="dropout with its keep-mask as an explicit input"),
     *(Op(n[:-2], 2, _broadcast_bool if n in PREDICATES else _broadcast, ref=f,
-         decompose=_lower_elementwise(n))
+         decompose=_lower_logical(n) if n in ("logical_and_t", "logical_or_t") else _lower_elementwise(n))
       for n, f in BINARY.items() if n not in ("mul_t", "div_t")),
     # aten's bitwise ops on bool tensors (masks) are the logical ones
     Op("bitwise_and", 2, _bool_only("logical_and_t"), ref=torch.bitwise_and,
-       decompose=_lower_elementwise("logical_and_t")),
+       decompose=_lower_logical("logical_and_t")),
     Op("bitwise_or", 2, _bool_only("logical_or_t"), ref=torch.bitwise_or,
-       decompose=_lower_elementwise("logical_or_t")),
+       decompose=_lower_logical("logical_or_t")),
     Op("bitwise_not", 1, _bool_only("logical_not_t"), ref=torch.bitwise_not,
        decompose=_lower_elementwise("logical_not_t")),
 ]

@@ -40,6 +40,19 @@ def _masked_lookup(shifted: str) -> str:
             f"(expand (view {_MASK} (vec-push si 1)) (vec-push si (size w 1))) 0.0)")
 
 
+# the same lookup as frameworks write it with arithmetic on the in-range mask: `in * (ids -
+# s)`, or vLLM's `in * (ids - s * in)` (its offset is itself masked), out-of-range rows zeroed
+# by `~in`. For integer ids, `~in` is _MASK; `in` is 0 or 1, so both indexes are `in * (ids - s)`
+_IN = ("(logical_and_t (ge_t ids (full (to-f64 s) si)) "
+       "(lt_t ids (full (to-f64 (+ s (size w 0))) si)))")
+_NEG_S = f"(Scale {_IN} (bigrat (bigint (- 0 s)) (bigint 1)))"
+
+
+def _product_lookup(index: str) -> str:
+    return (f"(masked_fill_t (embedding w {index}) "
+            f"(expand (view (logical_not_t {_IN}) (vec-push si 1)) (vec-push si (size w 1))) 0.0)")
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
         # a lookup is row-wise in ids and column-wise in the table
@@ -53,10 +66,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids (dim 0))"),
         rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
              ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (d+ s k)))))"]),
+        # each form of the masked lookup: `masked_fill` (Megatron), and the products with the
+        # in-range mask (vLLM, and `in * (ids - s)`)
         rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('ids')})"], symbolic=False),
+             [f"(union e {_masked_lookup('ids')})", f"(union e {_product_lookup(f'(mul_t {_IN} ids)')})"],
+             symbolic=False),
         rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(d> s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"], symbolic=False),
+             [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})",
+              f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids (full (to-f64 (- 0 s)) si))))')})",
+              f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids {_NEG_S})))')})"],
+             symbolic=False),
     ]
 
 

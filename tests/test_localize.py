@@ -152,3 +152,44 @@ def test_a_wrong_factor_is_found_at_its_line(tmp_path: Path) -> None:
     seq, dist = _dp_mean(tmp_path, [{"name": "d", "op": "div", "args": ["m", 2], "source": "f.py:5"}])
     found = wrong_factor(seq, dist, REG, ["loss"], proven=lambda r, n: n == "d")
     assert found is not None and (found.source, found.node) == ("f.py:9", "r"), found
+
+
+def test_terms_weighted_wrong_are_found_at_the_mean(tmp_path: Path) -> None:
+    """Gradient accumulation over two micro-batches, each loss a mean over its own half (f.py:3)
+    added to an accumulator `a`: the sequential loss is a + the mean over the whole batch, so
+    the relation weights each micro-batch mean 1/2 and `a` 1, and the output is no multiple of
+    what the rank holds. The factor 1/2 is read off the terms weighted differently; editing the
+    means' line (its 1/4 times 1/2) repairs the loss, so the culprit is that line."""
+    import json
+
+    from refine.check import check_files
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [8], "role": "data"}, {"name": "a", "shape": [], "role": "data"}],
+        "nodes": [{"name": "sq", "op": "mul", "args": ["x", "x"], "shape": [8], "source": "f.py:3"},
+                  {"name": "s", "op": "sum", "args": ["sq"], "attrs": {"dim": []}, "shape": [], "source": "f.py:3"},
+                  {"name": "m", "op": "div", "args": ["s", 8], "shape": [], "source": "f.py:4"},
+                  {"name": "l", "op": "add", "args": ["a", "m"], "shape": [], "source": "f.py:7"}],
+        "outputs": [{"name": "loss", "ref": "l", "role": "loss"}]}}
+    nodes = []
+    last = "a"
+    for i in (0, 1):
+        nodes += [{"name": f"sq{i}", "op": "mul", "args": [f"x{i}", f"x{i}"], "shape": [4], "source": "f.py:3"},
+                  {"name": f"m{i}", "op": "mean", "args": [f"sq{i}"], "shape": [], "source": "f.py:3"},
+                  {"name": f"l{i}", "op": "add", "args": [last, f"m{i}"], "shape": [], "source": "f.py:7"}]
+        last = f"l{i}"
+    rank = {"inputs": [{"name": "x0", "shape": [4], "role": "data"}, {"name": "x1", "shape": [4], "role": "data"},
+                       {"name": "a", "shape": [], "role": "data"}],
+            "nodes": nodes, "outputs": [{"name": "loss", "ref": last, "role": "loss"}]}
+    dist = {"format": "refine-graph", "version": 1, "kind": "distributed", "mesh": {"axes": [{"name": "dp", "size": 1}]},
+            "ranks": [{"rank": 0, "graph": rank}],
+            "relations": [{"from": "x", "layout": "cat(x0@0, x1@0, dim=0)"}, {"from": "a", "placements": ["Replicate"]}],
+            "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]}]}
+    (tmp_path / "seq.json").write_text(json.dumps(seq))
+    (tmp_path / "dist.json").write_text(json.dumps(dist))
+    report = check_files(tmp_path / "seq.json", tmp_path / "dist.json")
+    assert not report.refines
+    c = report.culprit
+    assert c is not None and c.source == c.rank_source == "f.py:3", c
+    assert c.rank_node is not None and c.rank_node.split(".")[0] in ("m0", "m1"), c.rank_node
+    assert "1/4 times 1/2 = 1/8" in c.reason and c.seq_source == "f.py:7", c.reason
