@@ -44,6 +44,9 @@ class StepResult:
     checks: list[bool]
     seconds: float
     premises: Premises | None = None  # what the step's e-graph was told (refine.reuse replays it)
+    # rank tensors the step proved equal to a tensor its best term names: the ranks' own
+    # name for a piece may be another than the one extracted (a rank recomputing a mask)
+    same: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -73,7 +76,7 @@ class Engine:
             f"(constructor Out (String) T :cost {LEAF_OUT})",
             f"(constructor {OPAQUE} (String) T :cost {COMPUTE})",
             "(function shape (T) IV :merge old)",
-            "(constructor Mark (T) T)", "(relation Found (String))",
+            "(constructor Mark (T) T)", "(relation Found (String))", "(relation Same (String String))",
             "(ruleset shapes)",
         ]
         for name, op in self.core.items():
@@ -81,6 +84,7 @@ class Engine:
             lines.append(f"(constructor {name} ({args}) T :cost {op.cost})")
         lines += self.registry.decls
         lines.append("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))")
+        lines.append("(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
         for op in self.core.values():
             if op.egglog_shape:
                 lines.append(_in_ruleset(op.egglog_shape, "shapes"))
@@ -141,13 +145,15 @@ class Engine:
         back = {v: k for k, v in names.items()}
         best = _rename(hit.best, back)
         found = [back[f][1] for f in hit.found if f in back and back[f][0] == "D"]
+        named = {back[x][1] for x in hit.best.leaves() if back[x][0] == "D"}
+        same = [(back[a][1], back[b][1]) for a, b in hit.same if back[a][1] in named]
         self.fired.update(hit.fired)  # a reused step counts as the rules that proved it
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
         premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired) \
             if not check_texts else None
-        return StepResult(best, hit.cost, found, list(hit.checks), dt, premises)
+        return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
         self._run("(push)")
@@ -155,11 +161,12 @@ class Engine:
             self._run(program)
             ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))")
             fired = Counter({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
-            out = self._run("(extract $__seq)\n(print-function Found 100000)")
+            out = self._run("(extract $__seq)\n(print-function Found 100000)\n(print-function Same 100000)")
             best_out = out[0]
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
             found = re.findall(r'\(Found "([^"]*)"\)', str(out[1]))
+            same = tuple(re.findall(r'\(Same "([^"]*)" "([^"]*)"\)', str(out[2])))
             results = []
             for ce in checks:
                 try:
@@ -169,7 +176,7 @@ class Engine:
                     results.append(False)
         finally:
             self._run("(pop)")
-        return _Solved(best, cost, found, tuple(results), fired)
+        return _Solved(best, cost, found, tuple(results), fired, same)
 
 
 @dataclass(frozen=True)
@@ -181,6 +188,7 @@ class _Solved:
     found: list[str]
     checks: tuple[bool, ...]
     fired: Counter[str]
+    same: tuple[tuple[str, str], ...] = ()
 
 
 _LEAF = re.compile(r'\((D|Out|Opq) "((?:[^"\\]|\\.)*)"\)')
@@ -508,6 +516,10 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         for f in res.found:
             if f in prog.types:
                 prog.same.union(res.found[0], f)
+        if res.clean:
+            for a, b in res.same:
+                if prog.types.get(a) == prog.types.get(b) is not None:
+                    prog.same.union(a, b)
     # a carried node that a clean relation took in (through its users, or carried users of
     # it that were) is, like a fused one, left out of `clean`: what matters about it is
     # proven at that user. One that nothing clean took in stays unclean (a culprit).
