@@ -142,8 +142,9 @@ def test_clip_grad_norm_without_foreach_refines() -> None:
 
 
 @pytest.mark.parametrize("bug, line", [
-    # each replicated gradient's squares counted on both ranks: no rank line is named (the
-    # ranks' over-counted sum is never related to the sequential one), the sequential one is
+    # each replicated gradient's squares counted on both ranks: every rank adds the whole
+    # replicated gradients' squares to its partial sum of the sharded ones' before the
+    # all-reduce sums them (a bias added before the reduction), at get_total_norm
     ("replicated_norm_all_reduced", "torch.nn.utils.clip_grad_norm_("),
     # each rank clips with its own shards' norm: adding a SUM all-reduce after the squared
     # local norm repairs every output (refine.missing_reduce), so that line is named
@@ -158,17 +159,21 @@ def test_clip_twins_are_found_at_the_norm(bug: str, line: str) -> None:
     c = report.culprit
     assert c is not None, report
     assert c.source == line_of(MODELS / "clip_norm.py", line), report
-    # the first use of the sequential total norm (clip_grad_norm_ adds its eps to it), whose
-    # input is the root of every gradient's squared norm: the sharded ones' from each rank,
-    # the replicated ones' once (3 x 2 + 3 terms), which no rank holds
+    # the sequential total norm (or its first use: clip_grad_norm_ adds its eps to it), whose
+    # inputs hold every gradient's squared norm: the sharded ones' from each rank, the
+    # replicated ones' once (3 x 2 + 3 rank terms), in one root or as the stacked norms
     seq_line = line_of(MODELS / "clip_norm.py", "torch.nn.utils.clip_grad_norm_(")
     assert (c.seq_source or c.source) == seq_line, report
-    (norm,) = [rel for _, rel in c.inputs if not rel.startswith("full(")]
-    assert norm.startswith("sqrt_t(") and norm.count(" + ") == 3 * 2 + 3 - 1, norm
+    terms = [rel for _, rel in c.inputs if not rel.startswith("full(")]
+    assert sum(t.count("@") for t in terms) == 3 * 2 + 3, terms
     if bug == "norm_not_all_reduced":
+        (norm,) = terms
+        assert norm.startswith("sqrt_t(") and norm.count(" + ") == 3 * 2 + 3 - 1, norm
         assert c.rank_source == c.source and c.rank_node is not None and "all-reduce" in c.reason, report
     else:
-        assert c.rank_node is None
+        assert all("sumsq" in t for t in terms), terms
+        assert c.rank_source == line_of(MODELS / "clip_norm.py", "grad_norm = torch.nn.utils.get_total_norm(grads)"), report
+        assert c.rank_node is not None and "partial sum" in c.reason, report
 
 
 @SLOW
