@@ -76,10 +76,25 @@ class Premises:
 
 
 def canon(t: Term, find: Callable[[str], str]) -> Term:
-    """`t` over class representatives."""
+    """`t` over class representatives, its concats flattened (`_flat_cats`)."""
     if t.op == "D":
         return Term("D", (), (find(t.attrs[0]),))
-    return Term(t.op, tuple(canon(a, find) for a in t.args), t.attrs) if t.args else t
+    if not t.args:
+        return t
+    args = tuple(canon(a, find) for a in t.args)
+    return Term(t.op, _flat_cats(args, t.attrs[0]) if t.op == "cat" else args, t.attrs)
+
+
+def _flat_cats(args: tuple[Term, ...], dim: Any) -> tuple[Term, ...]:
+    """The parts of a concat along `dim` whose arguments are `args`: a part that is itself
+    a concat along `dim` is replaced by its parts. Concatenation along one dim is
+    associative, so every nesting of the same parts (right-nested, balanced, as a step's
+    extraction happens to build it) is one n-ary term, of the same value: layer k's relation
+    matches layer 1's however either was nested. Only compared, never sent to an e-graph."""
+    out: list[Term] = []
+    for a in args:
+        out.extend(a.args if a.op == "cat" and a.attrs == (dim,) else (a,))
+    return tuple(out)
 
 
 def _name(t: Term) -> Name | None:
@@ -133,12 +148,11 @@ class Replayer:
 
     def key(self, term: Term) -> Hashable:
         """The term's ops and attributes, its leaves numbered by first appearance, their shapes."""
-        find, order, shapes = self.prog.same.find, {}, []
+        order, shapes = {}, []
 
         def walk(t: Term) -> Term:
             n = _name(t)
             if n is not None:
-                n = (n[0], find(n[1]) if n[0] == "D" else n[1])
                 if n not in order:
                     order[n] = str(len(order))
                     typ = self.prog.types.get(n[1]) if n[0] == "D" else self.prog.opaque.get(n[1])
@@ -146,7 +160,7 @@ class Replayer:
                 return Term(t.op, (), (order[n],))
             return Term(t.op, tuple(walk(a) for a in t.args), t.attrs) if t.args else t
 
-        return walk(term), tuple(shapes)
+        return walk(canon(term, self.prog.same.find)), tuple(shapes)
 
     def record(self, term: Term, res: StepResult) -> None:
         if res.premises is None or res.premises.outputs or not res.clean:
@@ -173,11 +187,14 @@ class Replayer:
             try:
                 best = rename(res.best, pi)
                 found = [pi[("D", f)] for f in res.found]
+                # the rank tensors the step proved equal to one its best term names were
+                # premises too (D leaves of its e-graph): renamed, they are equal here
+                same = [(pi[("D", a)], pi[("D", b)]) for a, b in res.same]
             except KeyError:
                 continue
             self.stats["replayed"] += 1
             self.fired.update(prem.fired)
-            return StepResult(best, res.cost, found + self._congruent(found), [], 0.0)
+            return StepResult(best, res.cost, found + self._congruent(found), [], 0.0, same=same)
         return None
 
     def _congruent(self, found: list[str]) -> list[str]:

@@ -12,10 +12,11 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
+from refine.expr import Term, leaf
 from refine.importer.entangle import import_case
 from refine.opset import load_registry
 from refine.report import Report
-from refine.reuse import Replayer
+from refine.reuse import Replayer, canon
 
 T, H, F = 4, 8, 16
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
@@ -155,3 +156,83 @@ def test_aws_llama_second_layer_is_replayed(tmp_path: Path) -> None:
     assert report.refines, str(report)
     assert replayed >= 60, (replayed, steps)
     assert report.stats["replayed"] == replayed
+
+
+def _balanced(t: Term) -> Term:
+    """t with every concat chain along one dim rebuilt as a balanced tree (the same parts,
+    in order), the nesting another extraction or relation builder may produce."""
+    if not t.args:
+        return t
+    if t.op != "cat":
+        return Term(t.op, tuple(_balanced(a) for a in t.args), t.attrs)
+    parts: list[Term] = []
+    todo = [t]
+    while todo:  # the chain's parts, left to right
+        x = todo.pop()
+        if x.op == "cat" and x.attrs == t.attrs:
+            todo += reversed(x.args)
+        else:
+            parts.append(_balanced(x))
+
+    def build(ps: list[Term]) -> Term:
+        if len(ps) == 1:
+            return ps[0]
+        mid = len(ps) // 2
+        return Term("cat", (build(ps[:mid]), build(ps[mid:])), t.attrs)
+
+    return build(parts)
+
+
+def test_concat_nesting_is_one_canonical_form() -> None:
+    a, b, c, d = (leaf(x) for x in "abcd")
+    right = Term("cat", (a, Term("cat", (b, Term("cat", (c, d), (1,))), (1,))), (1,))
+    balanced = _balanced(right)
+    assert balanced != right and balanced.args[0].op == "cat"
+    assert canon(balanced, str) == canon(right, str) == Term("cat", (a, b, c, d), (1,))
+    # a concat along another dim is a part, not flattened into it
+    mixed = Term("cat", (Term("cat", (a, b), (0,)), Term("cat", (c, d), (1,))), (1,))
+    assert canon(mixed, str) == Term("cat", (Term("cat", (a, b), (0,)), c, d), (1,))
+
+
+def test_a_differently_nested_concat_is_still_replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks: fc1's relation is a concat of four parts. Offered to the replayer nested
+    as a balanced tree (what an earlier layer's steps were not told), the later layers'
+    nodes are replayed all the same; with concats compared as nested, they are not."""
+    base, _, _ = _check(_stack(tmp_path / "a", world=4))
+    replayed_base = base.stats["replayed"]
+    original = Replayer.replay
+    offered: list[bool] = []
+
+    def renested(self: Replayer, term: Term) -> Any:
+        offered.append(_balanced(term) != term)
+        return original(self, _balanced(term))
+
+    monkeypatch.setattr(Replayer, "replay", renested)
+    report, replayed, _ = _check(_stack(tmp_path / "b", world=4))
+    assert report.refines, str(report)
+    assert any(offered)  # some terms were renested
+    assert replayed == replayed_base > 0
+    monkeypatch.setattr("refine.reuse._flat_cats", lambda args, dim: args)
+    nested, replayed_nested, _ = _check(_stack(tmp_path / "c", world=4))
+    assert nested.refines and replayed_nested < replayed
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
+def test_gpt_eight_layers_cost_one(tmp_path: Path) -> None:
+    """Megatron GPT, TP2: eight layers run exactly the e-graph steps one layer runs, and
+    every sequential node the seven further layers add is replayed (with the rank tensors
+    each replayed step proved equal, `StepResult.same`: without them, steps over the masked
+    attention scores of layers 2-4 were proven again, 115 e-graph steps against 112)."""
+    counts = {}
+    for layers in (1, 8):
+        case = import_case(CORPUS / "gpt" / f"paral1_layer{layers}", CORPUS / "gpt" / f"paral2_layer{layers}",
+                           RELATIONS / "gpt.json")
+        case.write(tmp_path / str(layers))
+        report, replayed, steps = _check((tmp_path / str(layers) / "seq.json", tmp_path / str(layers) / "dist.json"))
+        assert report.refines, str(report)
+        counts[layers] = (replayed, steps)
+    (replayed1, steps1), (replayed8, steps8) = counts[1], counts[8]
+    added = replayed8 + steps8 - (replayed1 + steps1)  # the sequential nodes of layers 2..8
+    assert added >= 7 * 40, counts  # each gpt layer is ~60 sequential nodes
+    assert steps8 == steps1, counts
+    assert replayed8 - replayed1 == added, counts
