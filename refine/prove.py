@@ -40,7 +40,6 @@ CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by
 CARRY_HOPS = 12  # and the frontier of their steps' retry
 FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
 INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
-_DEBUG = bool(__import__('os').environ.get('REFINE_DEBUG_SAT'))
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 
 
@@ -205,8 +204,6 @@ class Engine:
                 since += 1
             if not report.updated or (best.cost < COMPUTE and since >= PATIENCE):
                 break
-        if _DEBUG:
-            print(f"[saturate] it={_ + 1} cost={best.cost} updated={report.updated} since={since}", flush=True)
         assert best is not None
         return fired, best
 
