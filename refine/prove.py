@@ -27,11 +27,11 @@ from refine.reuse import Premises, Replayer
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
-# A step stops before ITERATIONS once its target's best term is clean and has not got
-# cheaper for PATIENCE iterations, or once the e-graph is saturated: most steps are proven
-# in a few iterations, and the rest of the bound only grows the e-graph (most of a step's
-# time). A step with checks (expectations) runs the whole bound: what it must prove is not
-# its cheapest term.
+# A step stops before ITERATIONS once its target's best term is plain (rank tensors in
+# concats and sums, see Engine._plain) and has not got cheaper for PATIENCE iterations, or
+# once the e-graph is saturated: most steps are proven in a few iterations, and the rest of
+# the bound only grows the e-graph (most of a step's time). A step with checks
+# (expectations) runs the whole bound: what it must prove is not its cheapest term.
 EARLY_STOP = True
 PATIENCE = 3
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
@@ -202,10 +202,23 @@ class Engine:
                 best, since = out, 0
             else:
                 since += 1
-            if not report.updated or (best.cost < COMPUTE and since >= PATIENCE):
+            if not report.updated or (best.cost < COMPUTE and since >= PATIENCE and self._plain(best)):
                 break
         assert best is not None
         return fired, best
+
+    @staticmethod
+    def _plain(best: bindings.ExtractBest) -> bool:
+        """Whether a term is rank tensors combined by concats and sums only: what the ranks
+        hold, as it is. A clean term with another op over rank tensors (a scale, a view, an
+        expand of a concat) is often later found to be a concat of other rank tensors, and
+        its users then need far fewer rewrites: such a step runs the whole bound."""
+        heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
+        return heads <= _PLAIN_HEADS
+
+_HEAD = re.compile(r"\((\S+)")
+_PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
+
 
 @dataclass(frozen=True)
 class _Solved:
