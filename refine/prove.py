@@ -183,7 +183,6 @@ class Engine:
             self._run("(pop)")
         return _Solved(best, cost, found, tuple(results), fired, same)
 
-
     def _saturate(self, iterations: int, early: bool) -> tuple[Counter[str], bindings.ExtractBest]:
         """Run up to `iterations` rule iterations (see EARLY_STOP); the rules' matches and
         the target's best term."""
@@ -215,6 +214,7 @@ class Engine:
         its users then need far fewer rewrites: such a step runs the whole bound."""
         heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
         return heads <= _PLAIN_HEADS
+
 
 _HEAD = re.compile(r"\((\S+)")
 _PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
