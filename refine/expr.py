@@ -57,10 +57,19 @@ def leaf(name: str) -> Term:
 
 
 def cat(parts: list[Term], dim: int) -> Term:
-    """Right-nested binary concat, the one form the rules know."""
+    """Binary concat of parts, nested as a balanced tree (see `split_point`)."""
     if len(parts) == 1:
         return parts[0]
-    return Term("cat", (parts[0], cat(parts[1:], dim)), (dim,))
+    k = split_point(len(parts))
+    return Term("cat", (cat(parts[:k], dim), cat(parts[k:], dim)), (dim,))
+
+
+def split_point(n: int) -> int:
+    """Where a concat of n > 1 parts splits: a balanced tree (the first n // 2 parts on the
+    left), so a rule that splits an op over a concat reaches the ranks' pieces in log2(n)
+    rewrites, not n - 1 (8 vocab shards: 3 levels, not 7). Up to 3 parts this is the
+    right-nested chain cat(a0, cat(a1, a2))."""
+    return n // 2
 
 
 def nary(op: str, terms: list[Term]) -> Term:
@@ -78,6 +87,13 @@ def scale(t: Term, c: Fraction) -> Term:
 # Printing, the way reports show relations: cat(a@0, a@1, dim=0), a@0 + a@1, 1/2 * x@0.
 
 
+def cat_parts(t: Term) -> list[Term]:
+    """The pieces of a concat, its nested concats along the same dim (either side) flattened."""
+    if t.op != "cat":
+        return [t]
+    return [p for a in t.args for p in (cat_parts(a) if a.op == "cat" and a.attrs == t.attrs else [a])]
+
+
 def opaque(name: str) -> Term:
     return Term(OPAQUE, (), (name,))
 
@@ -88,12 +104,7 @@ def show(t: Term) -> str:
     if t.op == OPAQUE:
         return f"<{t.attrs[0]}>"
     if t.op == "cat":
-        parts, node = [], t
-        while node.op == "cat" and node.attrs == t.attrs:
-            parts.append(node.args[0])
-            node = node.args[1]
-        parts.append(node)
-        return f"cat({', '.join(show(p) for p in parts)}, dim={t.attrs[0]})"
+        return f"cat({', '.join(show(p) for p in cat_parts(t))}, dim={t.attrs[0]})"
     if t.op == "Sum":
         return "(" + " + ".join(sorted(show(a) for a in t.args)) + ")"
     if t.op == "Max":

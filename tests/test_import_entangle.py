@@ -223,6 +223,22 @@ def test_gpt_tp2_refines(tmp_path: Path) -> None:
 
 
 @needs_corpus
+def test_gpt_tp8_refines(tmp_path: Path) -> None:
+    """Megatron GPT, one layer, TP8: the cross-entropy's softmax sums exp over a concat of 8
+    vocab shards. The concat is a balanced tree (refine.expr.cat), so splitting the sum over
+    it reaches the ranks' pieces in 3 levels of rewrites within a step's iteration bound (a
+    right-nested chain needed 7), and the carried vocab lookup's term (a concat of 8 pieces)
+    stays within CARRY_OPS, which counts no concats."""
+    r, out = _import(tmp_path, "gpt/paral1_layer1", "gpt/paral8_layer1", "gpt.json")
+    assert r.exit_code == 0, r.output
+    report = check_files(out / "seq.json", out / "dist.json")
+    assert report.refines, str(report)
+    (o,) = report.outputs
+    assert o.ok and o.relation == "output@0"
+    assert report.stats["ranks"] == 8
+
+
+@needs_corpus
 def test_gpt_without_the_constants_does_not_refine(tmp_path: Path) -> None:
     """Without the relation file the cross-entropy's two constants are unknown inputs: the
     masked lookup is not provably the ranks' (a nonzero fill would be summed over ranks), so

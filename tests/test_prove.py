@@ -4,8 +4,12 @@ premises, renamed, hold: tests/test_reuse.py)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
+import pytest
+
+from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
 from refine.opset import load_registry
@@ -55,3 +59,21 @@ def test_a_bug_in_a_repeated_layer_is_still_found(tmp_path: Path) -> None:
     report = check_files(*_stacked_tp_mlp(tmp_path, layers=4, bug_layer=2))
     assert not report.refines
     assert report.culprit is not None and report.culprit.node == "fc1_3", str(report)
+
+
+def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step stopped early (prove.EARLY_STOP: a plain best term that no longer gets cheaper)
+    proves what the whole iteration bound proves, with fewer rule matches: over 8 ranks
+    (balanced concats of 8 pieces) the relations and the verdict are the same."""
+    seq, dist = _stacked_tp_mlp(tmp_path, layers=2, world=8)
+    registry = load_registry()
+    seen = {}
+    for early in (False, True):
+        monkeypatch.setattr(prove, "EARLY_STOP", early)
+        engine = prove.Engine(registry)  # its own step cache: nothing reused across the modes
+        monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, e=engine: e)
+        report = check_files(seq, dist)
+        assert report.refines, str(report)
+        seen[early] = ([(o.name, o.relation) for o in report.outputs], sum(engine.fired.values()))
+    assert seen[True][0] == seen[False][0]
+    assert seen[True][1] < seen[False][1]
