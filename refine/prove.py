@@ -127,6 +127,7 @@ class Engine:
                 em.outputs = True
                 em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
         root = em.term(seq, typed=True)
+        told = em.facts()
         em.lines.append(f"(let $__seq {root})")
         em.lines.append("(let $__mark (Mark $__seq))")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
@@ -151,8 +152,9 @@ class Engine:
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
+        # a step told facts about parts of rank inputs is not replayed: its premises do not list them
         premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired) \
-            if not check_texts else None
+            if not check_texts and not told else None
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
@@ -246,6 +248,21 @@ class _Emitter:
         if d is not None:
             self.defined.append(name)
             self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
+
+    def facts(self) -> int:
+        """State every fact of the program (DistProgram.facts) that names a rank tensor the
+        e-graph holds, until none is left; returns how many."""
+        find = self.prog.same.find
+        told: set[int] = set()
+        more = True
+        while more:
+            more = False
+            for i, (a, b) in enumerate(self.prog.facts):
+                if i not in told and any(find(x) in self.shaped for x in a.leaves() | b.leaves()):
+                    told.add(i)
+                    more = True
+                    self.lines.append(f"(union {self.term(a, typed=True)} {self.term(b, typed=True)})")
+        return len(told)
 
     def term(self, t: Term, typed: bool, inline: bool = False) -> str:
         if t.op in LEAF_OPS:
@@ -570,7 +587,14 @@ def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[st
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
+    """The leaves, the rank tensors equal to them, and those a fact relates a part of them
+    to (refine.replica): a rank's use of its copy of a replicated slice is in reach."""
     out: set[str] = set()
     for x in leaves:
         out.update(prog.same.group(x))
+    for x in list(out):
+        for i in prog.fact_index.get(x, ()):
+            a, b = prog.facts[i]
+            for y in a.leaves() | b.leaves():
+                out.update(prog.same.group(y))
     return out
