@@ -362,11 +362,40 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
     return out
 
 
+# ops a structural frontier walks without counting a hop: they move and regroup elements
+# only, so what a rank computes from a tensor through them is that tensor, rearranged
+_WALK_OPS = frozenset({"view", "slice", "cat", "transpose", "expand"})
+STRUCT_FREE = 96  # tensors a structural frontier takes without counting a hop
+STRUCT_DEPTH = 4  # how far back an other operand of a walked op may be derived
+
+
+def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str]) -> bool:
+    """Whether `x` is computed from available tensors by walked ops only (at most `depth`
+    definitions back); appends what it takes, inputs first."""
+    canon = prog.same.find
+    if canon(x) in avail or is_constant(prog, x):
+        return True
+    d = prog.defs.get(x)
+    if depth == 0 or d is None or d.op not in _WALK_OPS:
+        return False
+    for dep in sorted(d.leaves()):
+        if not _derive(prog, dep, avail, depth - 1, out):
+            return False
+    out.append(x)
+    avail.add(canon(x))
+    return True
+
+
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
-             defined: frozenset[str] | set[str] = frozenset()) -> list[str]:
+             defined: frozenset[str] | set[str] = frozenset(), structural: bool = False) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order. An input in `defined` (available, like
-    the known ones) comes along with its definition, as constants do."""
+    the known ones) comes along with its definition, as constants do.
+
+    `structural`: a use by a view, slice, concat, transpose or expand costs no hop, and its
+    other operands come along when walked ops compute them from available tensors (a rank
+    writing its rotated q back into its fused qkv buffer: a concat with the buffer's
+    untouched columns, which are no user of q; then split, viewed and transposed again)."""
     canon = prog.same.find
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
@@ -391,6 +420,7 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         layer.add(x)
         avail.add(canon(x))
     free = FREE_INDEX_OPS
+    walk = STRUCT_FREE if structural else 0
     for _ in range(hops):
         nxt: set[str] = set()
         todo = sorted(layer)
@@ -400,6 +430,20 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                 if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
+                if walk and d is not None and d.op in _WALK_OPS:
+                    trial = set(avail)
+                    taken: list[str] = []
+                    if all(_derive(prog, dep, trial, STRUCT_DEPTH, taken) for dep in sorted(d.leaves())):
+                        walk -= 1
+                        for y in taken:  # the other operands, with their definitions
+                            if y not in seen:
+                                seen.add(y)
+                                chosen.append(y)
+                        avail.update(trial)
+                        nxt.add(u)
+                        avail.add(canon(u))
+                        todo.append(u)
+                        continue
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
                     # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
@@ -503,6 +547,13 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 if res.clean:
                     break
             assert res is not None
+            if not res.clean and OPAQUE not in ops and _writes_back_near(prog, _with_replicas(prog, leaves)):
+                # the ranks write what the inputs relate to back into a buffer and read it out
+                # again: retried once over the structural chain (only there, so a step that
+                # fails elsewhere keeps the search, and the culprit, it had)
+                tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, tries[0], counterparts,
+                                   structural=True)
+                res = engine.step(term, prog, registry, tensors)
             if replayer is not None and res.clean:
                 replayer.record(term, res)
         shown[n.name] = res.best
@@ -550,6 +601,45 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             absorbed.add(n.name)
             del clean[n.name]
     return Inference(shown, clean, steps)
+
+
+WRITE_BACK_HOPS = 3  # how many walked ops after a step's leaves a write-back is looked for
+
+
+def _writes_back_near(prog: DistProgram, leaves: set[str]) -> bool:
+    """Whether a rank writes one of `leaves` (through views, slices, concats) into a buffer
+    within `WRITE_BACK_HOPS` uses: a concat (what slice_scatter lowers to) that holds a
+    slice of a tensor of the concat's own shape, the buffer's untouched part."""
+    layer = set(leaves)
+    seen = set(layer)
+    for _ in range(WRITE_BACK_HOPS):
+        nxt: set[str] = set()
+        for x in sorted(layer):
+            for u in prog.users.get(x, ()):
+                d = prog.defs.get(u)
+                # a sum too: a relation may name the pieces of what the ranks add (a bias and a product)
+                if u in seen or d is None or (d.op not in _WALK_OPS and d.op != "Sum"):
+                    continue
+                if d.op == "cat" and _cat_of_own_buffer(prog, u):
+                    return True
+                seen.add(u)
+                nxt.add(u)
+        layer = nxt
+    return False
+
+
+def _cat_of_own_buffer(prog: DistProgram, x: str) -> bool:
+    d = prog.defs[x]
+    assert d is not None
+    shape = prog.types[x].shape
+    for a in d.args:
+        if a.op != "D":
+            continue
+        da = prog.defs.get(a.attrs[0])
+        if da is not None and da.op == "slice" and da.args[0].op == "D" and \
+                prog.types[da.args[0].attrs[0]].shape == shape:
+            return True
+    return False
 
 
 _PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
