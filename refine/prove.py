@@ -296,6 +296,80 @@ class _Emitter:
 
 
 # ---------------------------------------------------------------------------------------
+# What facts about parts of rank inputs make equal
+
+
+FACT_DEPTH = 10  # uses after a fact's leaves where a slice may cut out what the facts cover
+
+
+def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
+    """Rank tensors the facts (refine.replica: a replicated slice of two ranks' fused
+    weights) make equal as whole tensors: a slice, on two ranks, of what each computes from
+    its own copy (a TP4 rank's key columns of its QKV product, equal to its neighbour's).
+    Candidates are the same program position on the two ranks of a fact, a slice within
+    `FACT_DEPTH` uses; each is proven by an e-graph over both definitions back to the facts'
+    leaves, and joins `prog.same`. Returns how many joined."""
+    from refine.relate import join_congruent  # relate imports nothing from here; keep it one-way
+
+    pairs: set[tuple[str, str]] = set()
+    for a, b in prog.facts:
+        for x in a.leaves():
+            for y in b.leaves():
+                if x.rpartition("@")[0] == y.rpartition("@")[0] and x != y:
+                    pairs.add((x, y))
+    joined = 0
+    layer = sorted(pairs)
+    seen = set(layer)
+    for _ in range(FACT_DEPTH):
+        nxt: list[tuple[str, str]] = []
+        for x, y in layer:
+            ry = y.rpartition("@")[2]
+            for u in prog.users.get(x, ()):
+                v = f"{u.rpartition('@')[0]}@{ry}"
+                if (u, v) in seen or v not in prog.users.get(y, ()) and v not in _users_of_class(prog, y):
+                    continue
+                if prog.types.get(v) != prog.types[u]:
+                    continue
+                seen.add((u, v))
+                nxt.append((u, v))
+                du = prog.defs[u]
+                if du is not None and du.op == "slice" and prog.same.find(u) != prog.same.find(v):
+                    tensors = _ancestry(prog, [u, v], FACT_DEPTH + 2)
+                    res = engine.step(Term("D", (), (u,)), prog, registry, tensors, checks=[Term("D", (), (v,))])
+                    if res.checks[0]:
+                        prog.same.union(u, v)
+                        joined += 1
+        layer = sorted(nxt)
+    if joined:
+        join_congruent(prog)
+    return joined
+
+
+def _users_of_class(prog: DistProgram, x: str) -> set[str]:
+    return {u for y in prog.same.group(x) for u in prog.users.get(y, ())}
+
+
+def _ancestry(prog: DistProgram, names: list[str], depth: int) -> list[str]:
+    """`names` and the rank tensors their definitions read, `depth` definitions back, inputs first."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def go(x: str, k: int) -> None:
+        if x in seen:
+            return
+        seen.add(x)
+        d = prog.defs.get(x)
+        if d is not None and k > 0:
+            for dep in sorted(d.leaves()):
+                go(dep, k - 1)
+        out.append(x)
+
+    for n in names:
+        go(n, depth)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
 # The walk
 
 
@@ -426,7 +500,9 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         todo = sorted(layer)
         while todo:
             x = todo.pop()
-            for u in prog.users.get(x, ()):
+            # structural: the users of every tensor equal to x (another rank's copy of a
+            # replicated head, joined by join_fact_consequences) are its users too
+            for u in sorted(_users_of_class(prog, x)) if structural else prog.users.get(x, ()):
                 if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
@@ -523,6 +599,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
     carried: set[str] = set()  # unclean nodes whose users see their term (CARRY_OPS)
+    if prog.facts:
+        join_fact_consequences(prog, engine, registry)
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()

@@ -44,5 +44,31 @@ def join_replicas(a: Term, b: Term, shape_of: Callable[[Term], tuple[object, ...
         facts.append((x, y))
 
     go(a, b)
-    return leaves, facts
+    return leaves, facts + _coalesce(facts)
+
+
+def _coalesce(facts: list[tuple[Term, Term]]) -> list[tuple[Term, Term]]:
+    """Facts between adjacent slices of the same two tensors, joined: the key and value
+    columns of a fused weight are two facts, and a rank slices both at once (its k and v
+    columns of the QKV product). Equal pieces make an equal concat, so each run of adjacent
+    regions is a fact too."""
+    runs: dict[tuple[str, str, object], list[tuple[int, int]]] = {}
+    for x, y in facts:
+        if x.op == y.op == "slice" and x.attrs == y.attrs and x.args[0].op == y.args[0].op == "D":
+            dim, start, end = x.attrs
+            if isinstance(start, int) and isinstance(end, int):
+                runs.setdefault((x.args[0].attrs[0], y.args[0].attrs[0], dim), []).append((start, end))
+    out = []
+    for (xa, ya, dim), spans in sorted(runs.items(), key=lambda kv: str(kv[0])):
+        spans.sort()
+        lo, hi, n = spans[0][0], spans[0][1], 1
+        for s, e in spans[1:] + [(-1, -1)]:
+            if s == hi:
+                hi, n = e, n + 1
+                continue
+            if n > 1:
+                out.append((Term("slice", (Term("D", (), (xa,)),), (dim, lo, hi)),
+                            Term("slice", (Term("D", (), (ya,)),), (dim, lo, hi))))
+            lo, hi, n = s, e, 1
+    return out
 
