@@ -33,6 +33,7 @@ from refine.expr import LEAF_OPS, OPAQUE, Term
 from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, case_symbols, tensor_name
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
+from refine.replica import join_replicas
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -442,6 +443,31 @@ def _rank_leaf(name: str) -> tuple[str, int]:
     return base, int(r)
 
 
+def _assign(t: Term, v: Tensor, registry: Registry, value: Callable[[str], Tensor],
+            rank_vals: dict[int, dict[str, Tensor]]) -> None:
+    """Make the rank inputs `t` reads hold `v` where `t` reads them (a slice writes its
+    region only)."""
+    if t.op == "D":
+        base, r = _rank_leaf(t.attrs[0])
+        rank_vals[r][base] = v.to(rank_vals[r][base].dtype).clone()
+    elif t.op == "slice":
+        dim, start, end = (int(a) for a in t.attrs)
+        whole = eval_term(t.args[0], registry, value).clone()
+        whole.narrow(dim, start, end - start).copy_(v)
+        _assign(t.args[0], whole, registry, value, rank_vals)
+    elif t.op == "cat":
+        a = eval_term(t.args[0], registry, value)
+        dim = int(t.attrs[0])
+        _assign(t.args[0], v.narrow(dim, 0, a.shape[dim]), registry, value, rank_vals)
+        _assign(t.args[1], v.narrow(dim, a.shape[dim], v.shape[dim] - a.shape[dim]), registry, value, rank_vals)
+    elif t.op == "transpose":
+        _assign(t.args[0], v.transpose(int(t.attrs[0]), int(t.attrs[1])), registry, value, rank_vals)
+    elif t.op == "view":
+        _assign(t.args[0], v.reshape(eval_term(t.args[0], registry, value).shape), registry, value, rank_vals)
+    else:
+        raise EvalError(f"cannot draw rank inputs making a replica's {t.op} equal to its layout")
+
+
 def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | None = None,
                   int_bound: int | None = None) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
     """Random sequential inputs and rank inputs that satisfy the dist's input relations.
@@ -476,11 +502,20 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
                 if base not in rank_vals[r]:
                     rank_vals[r][base] = _random(rank_types[r][base], gen, bound)
                 return rank_vals[r][base]
-            seq_vals[rel.source] = canon(eval_term(rel.layout, registry, leaf_value), typ.dtype)
-            for rep in rel.replicas:  # leaf by leaf the same values
-                for a, b in zip(_leaf_list(rel.layout), _leaf_list(rep), strict=True):
+            eval_term(rel.layout, registry, leaf_value)  # draws the layout's leaves
+            for rep in rel.replicas:  # the regions the layout reads, copied where the replica reads them
+                for x in sorted(rep.leaves()):
+                    leaf_value(x)
+                leaves, facts = join_replicas(rel.layout, rep, lambda t: tuple(eval_term(t, registry, leaf_value).shape))
+                for a, b in leaves:
                     (base_a, ra), (base_b, rb) = _rank_leaf(a), _rank_leaf(b)
-                    rank_vals[rb][base_b] = rank_vals[ra][base_a]
+                    rank_vals[rb][base_b] = rank_vals[ra][base_a].clone()
+                for a, b in facts:
+                    _assign(b, eval_term(a, registry, leaf_value), registry, leaf_value, rank_vals)
+            seq_vals[rel.source] = canon(eval_term(rel.layout, registry, leaf_value), typ.dtype)
+            for rep in rel.replicas:  # one region written twice with different values: no consistent draw
+                if not torch.equal(canon(eval_term(rep, registry, leaf_value), typ.dtype), seq_vals[rel.source]):
+                    raise EvalError(f"the replicas of the layout for {rel.source!r} overlap: no inputs satisfy them all")
             continue
         x = _random(typ, gen, bound_for(rel.source))
         seq_vals[rel.source] = x

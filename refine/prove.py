@@ -134,6 +134,7 @@ class Engine:
                 em.outputs = True
                 em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
         root = em.term(seq, typed=True)
+        told = em.facts()
         em.lines.append(f"(let $__seq {root})")
         em.lines.append("(let $__mark (Mark $__seq))")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
@@ -158,8 +159,9 @@ class Engine:
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
+        # a step told facts about parts of rank inputs is not replayed: its premises do not list them
         premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired) \
-            if not check_texts else None
+            if not check_texts and not told else None
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
@@ -288,6 +290,21 @@ class _Emitter:
             self.defined.append(name)
             self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
 
+    def facts(self) -> int:
+        """State every fact of the program (DistProgram.facts) that names a rank tensor the
+        e-graph holds, until none is left; returns how many."""
+        find = self.prog.same.find
+        told: set[int] = set()
+        more = True
+        while more:
+            more = False
+            for i, (a, b) in enumerate(self.prog.facts):
+                if i not in told and any(find(x) in self.shaped for x in a.leaves() | b.leaves()):
+                    told.add(i)
+                    more = True
+                    self.lines.append(f"(union {self.term(a, typed=True)} {self.term(b, typed=True)})")
+        return len(told)
+
     def term(self, t: Term, typed: bool, inline: bool = False) -> str:
         if t.op in LEAF_OPS:
             if t.op == "Out":
@@ -317,6 +334,80 @@ class _Emitter:
             shape = term_type(t, self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV', self.py)})")
         return name
+
+
+# ---------------------------------------------------------------------------------------
+# What facts about parts of rank inputs make equal
+
+
+FACT_DEPTH = 10  # uses after a fact's leaves where a slice may cut out what the facts cover
+
+
+def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
+    """Rank tensors the facts (refine.replica: a replicated slice of two ranks' fused
+    weights) make equal as whole tensors: a slice, on two ranks, of what each computes from
+    its own copy (a TP4 rank's key columns of its QKV product, equal to its neighbour's).
+    Candidates are the same program position on the two ranks of a fact, a slice within
+    `FACT_DEPTH` uses; each is proven by an e-graph over both definitions back to the facts'
+    leaves, and joins `prog.same`. Returns how many joined."""
+    from refine.relate import join_congruent  # relate imports nothing from here; keep it one-way
+
+    pairs: set[tuple[str, str]] = set()
+    for a, b in prog.facts:
+        for x in a.leaves():
+            for y in b.leaves():
+                if x.rpartition("@")[0] == y.rpartition("@")[0] and x != y:
+                    pairs.add((x, y))
+    joined = 0
+    layer = sorted(pairs)
+    seen = set(layer)
+    for _ in range(FACT_DEPTH):
+        nxt: list[tuple[str, str]] = []
+        for x, y in layer:
+            ry = y.rpartition("@")[2]
+            for u in prog.users.get(x, ()):
+                v = f"{u.rpartition('@')[0]}@{ry}"
+                if (u, v) in seen or v not in prog.users.get(y, ()) and v not in _users_of_class(prog, y):
+                    continue
+                if prog.types.get(v) != prog.types[u]:
+                    continue
+                seen.add((u, v))
+                nxt.append((u, v))
+                du = prog.defs[u]
+                if du is not None and du.op == "slice" and prog.same.find(u) != prog.same.find(v):
+                    tensors = _ancestry(prog, [u, v], FACT_DEPTH + 2)
+                    res = engine.step(Term("D", (), (u,)), prog, registry, tensors, checks=[Term("D", (), (v,))])
+                    if res.checks[0]:
+                        prog.same.union(u, v)
+                        joined += 1
+        layer = sorted(nxt)
+    if joined:
+        join_congruent(prog)
+    return joined
+
+
+def _users_of_class(prog: DistProgram, x: str) -> set[str]:
+    return {u for y in prog.same.group(x) for u in prog.users.get(y, ())}
+
+
+def _ancestry(prog: DistProgram, names: list[str], depth: int) -> list[str]:
+    """`names` and the rank tensors their definitions read, `depth` definitions back, inputs first."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def go(x: str, k: int) -> None:
+        if x in seen:
+            return
+        seen.add(x)
+        d = prog.defs.get(x)
+        if d is not None and k > 0:
+            for dep in sorted(d.leaves()):
+                go(dep, k - 1)
+        out.append(x)
+
+    for n in names:
+        go(n, depth)
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -386,11 +477,40 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
     return out
 
 
+# ops a structural frontier walks without counting a hop: they move and regroup elements
+# only, so what a rank computes from a tensor through them is that tensor, rearranged
+_WALK_OPS = frozenset({"view", "slice", "cat", "transpose", "expand"})
+STRUCT_FREE = 96  # tensors a structural frontier takes without counting a hop
+STRUCT_DEPTH = 4  # how far back an other operand of a walked op may be derived
+
+
+def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str]) -> bool:
+    """Whether `x` is computed from available tensors by walked ops only (at most `depth`
+    definitions back); appends what it takes, inputs first."""
+    canon = prog.same.find
+    if canon(x) in avail or is_constant(prog, x):
+        return True
+    d = prog.defs.get(x)
+    if depth == 0 or d is None or d.op not in _WALK_OPS:
+        return False
+    for dep in sorted(d.leaves()):
+        if not _derive(prog, dep, avail, depth - 1, out):
+            return False
+    out.append(x)
+    avail.add(canon(x))
+    return True
+
+
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
-             defined: frozenset[str] | set[str] = frozenset()) -> list[str]:
+             defined: frozenset[str] | set[str] = frozenset(), structural: bool = False) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order. An input in `defined` (available, like
-    the known ones) comes along with its definition, as constants do."""
+    the known ones) comes along with its definition, as constants do.
+
+    `structural`: a use by a view, slice, concat, transpose or expand costs no hop, and its
+    other operands come along when walked ops compute them from available tensors (a rank
+    writing its rotated q back into its fused qkv buffer: a concat with the buffer's
+    untouched columns, which are no user of q; then split, viewed and transposed again)."""
     canon = prog.same.find
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
@@ -415,15 +535,32 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         layer.add(x)
         avail.add(canon(x))
     free = FREE_INDEX_OPS
+    walk = STRUCT_FREE if structural else 0
     for _ in range(hops):
         nxt: set[str] = set()
         todo = sorted(layer)
         while todo:
             x = todo.pop()
-            for u in prog.users.get(x, ()):
+            # structural: the users of every tensor equal to x (another rank's copy of a
+            # replicated head, joined by join_fact_consequences) are its users too
+            for u in sorted(_users_of_class(prog, x)) if structural else prog.users.get(x, ()):
                 if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
+                if walk and d is not None and d.op in _WALK_OPS:
+                    trial = set(avail)
+                    taken: list[str] = []
+                    if all(_derive(prog, dep, trial, STRUCT_DEPTH, taken) for dep in sorted(d.leaves())):
+                        walk -= 1
+                        for y in taken:  # the other operands, with their definitions
+                            if y not in seen:
+                                seen.add(y)
+                                chosen.append(y)
+                        avail.update(trial)
+                        nxt.add(u)
+                        avail.add(canon(u))
+                        todo.append(u)
+                        continue
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
                     nxt.add(u)
                     # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
@@ -503,6 +640,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
     carried: set[str] = set()  # unclean nodes whose users see their term (CARRY_OPS)
+    if prog.facts:
+        join_fact_consequences(prog, engine, registry)
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
@@ -527,6 +666,13 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 if res.clean:
                     break
             assert res is not None
+            if not res.clean and OPAQUE not in ops and _writes_back_near(prog, _with_replicas(prog, leaves)):
+                # the ranks write what the inputs relate to back into a buffer and read it out
+                # again: retried once over the structural chain (only there, so a step that
+                # fails elsewhere keeps the search, and the culprit, it had)
+                tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, tries[0], counterparts,
+                                   structural=True)
+                res = engine.step(term, prog, registry, tensors)
             if replayer is not None and res.clean:
                 replayer.record(term, res)
         shown[n.name] = res.best
@@ -576,6 +722,45 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     return Inference(shown, clean, steps)
 
 
+WRITE_BACK_HOPS = 3  # how many walked ops after a step's leaves a write-back is looked for
+
+
+def _writes_back_near(prog: DistProgram, leaves: set[str]) -> bool:
+    """Whether a rank writes one of `leaves` (through views, slices, concats) into a buffer
+    within `WRITE_BACK_HOPS` uses: a concat (what slice_scatter lowers to) that holds a
+    slice of a tensor of the concat's own shape, the buffer's untouched part."""
+    layer = set(leaves)
+    seen = set(layer)
+    for _ in range(WRITE_BACK_HOPS):
+        nxt: set[str] = set()
+        for x in sorted(layer):
+            for u in prog.users.get(x, ()):
+                d = prog.defs.get(u)
+                # a sum too: a relation may name the pieces of what the ranks add (a bias and a product)
+                if u in seen or d is None or (d.op not in _WALK_OPS and d.op != "Sum"):
+                    continue
+                if d.op == "cat" and _cat_of_own_buffer(prog, u):
+                    return True
+                seen.add(u)
+                nxt.add(u)
+        layer = nxt
+    return False
+
+
+def _cat_of_own_buffer(prog: DistProgram, x: str) -> bool:
+    d = prog.defs[x]
+    assert d is not None
+    shape = prog.types[x].shape
+    for a in d.args:
+        if a.op != "D":
+            continue
+        da = prog.defs.get(a.attrs[0])
+        if da is not None and da.op == "slice" and da.args[0].op == "D" and \
+                prog.types[da.args[0].attrs[0]].shape == shape:
+            return True
+    return False
+
+
 _PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
 
 
@@ -613,7 +798,14 @@ def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[st
 
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
+    """The leaves, the rank tensors equal to them, and those a fact relates a part of them
+    to (refine.replica): a rank's use of its copy of a replicated slice is in reach."""
     out: set[str] = set()
     for x in leaves:
         out.update(prog.same.group(x))
+    for x in list(out):
+        for i in prog.fact_index.get(x, ()):
+            a, b = prog.facts[i]
+            for y in a.leaves() | b.leaves():
+                out.update(prog.same.group(y))
     return out

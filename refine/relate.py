@@ -17,6 +17,7 @@ from refine.format import InputError
 from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
 from refine.normalize import lower
 from refine.opset import Registry, ShapeError
+from refine.replica import join_replicas
 
 
 class UnionFind:
@@ -62,6 +63,17 @@ class DistProgram:
     same: UnionFind = field(default_factory=UnionFind)
     opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (expr.OPAQUE)
     constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.is_constant
+    # equalities of terms over rank inputs that hold of parts only (refine.replica): a slice
+    # of one rank's fused weight equal to the same slice of another's. A step whose e-graph
+    # names a leaf of one is told it (refine.prove)
+    facts: list[tuple[Term, Term]] = field(default_factory=list)
+    fact_index: dict[str, list[int]] = field(default_factory=dict)  # leaf -> facts naming it
+
+    def add_fact(self, a: Term, b: Term) -> None:
+        i = len(self.facts)
+        self.facts.append((a, b))
+        for x in sorted(a.leaves() | b.leaves()):
+            self.fact_index.setdefault(x, []).append(i)
 
     def add(self, name: str, typ: TensorType, definition: Term | None, node: Node | None) -> None:
         self.types[name] = typ
@@ -177,7 +189,7 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             for t in (term, *rel.replicas):
                 _check_shape(t, seq.type_of(rel.source), prog, registry, file, rel)
             for t in rel.replicas:  # copies of the same tensor (a pipeline's tied weight on two stages)
-                _join(prog, term, t)
+                replica_equalities(prog, term, t, registry)
         else:
             # every replica must make the sequential input, not only the first one
             assert rel.placements is not None and rel.local is not None
@@ -254,6 +266,16 @@ def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...
 
         out.append(build(0, ()))
     return out
+
+
+def replica_equalities(prog: DistProgram, a: Term, b: Term, registry: Registry) -> None:
+    """A layout equals its replica: whole rank tensors that must be equal join `prog.same`,
+    equalities that hold of parts only (under a slice) become `prog.facts`."""
+    leaves, facts = join_replicas(a, b, lambda t: term_type(t, prog, registry).shape)
+    for x, y in leaves:
+        prog.same.union(x, y)
+    for x, y in facts:
+        prog.add_fact(x, y)
 
 
 def _join(prog: DistProgram, a: Term, b: Term) -> None:

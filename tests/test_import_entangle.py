@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from refine.check import check_files
 from refine.cli import main
 from refine.format import InputError
-from refine.importer.entangle import fused_layout, import_case
+from refine.importer.entangle import fused_layout, fused_layouts, import_case
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 MODELS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"
@@ -48,6 +48,11 @@ def test_fused_layout() -> None:
     assert four.endswith("slice(w@3, 1, 0, 4), dim=1), cat(slice(w@0, 1, 4, 6), slice(w@2, 1, 4, 6), dim=1), dim=1)"), four
     with pytest.raises(ValueError):
         fused_layout("w", [{"size": 12, "heads": 6}], 0, 4)
+    # the replicas: the k-th reads each replicated head from the k-th rank of its group
+    first, second = fused_layouts("w", [{"size": 16, "heads": 8}, {"size": 4, "heads": 2}], 1, 4)
+    assert first == four
+    assert second == four.replace("slice(w@0, 1, 4, 6), slice(w@2, 1, 4, 6)", "slice(w@1, 1, 4, 6), slice(w@3, 1, 4, 6)")
+    assert fused_layouts("w", [{"size": 12, "heads": 6}, {"size": 4, "heads": 2}], 0, 2) == [two]
 
 
 @needs_corpus
@@ -122,20 +127,35 @@ def test_aws_llama_tp6_uneven_is_refused(tmp_path: Path) -> None:
 
 
 @needs_corpus
-def test_qwen2_tp2_embedding_and_qkv_refine(tmp_path: Path) -> None:
-    """vLLM's vocab-parallel embedding (integer arithmetic on bool masks, an always-empty
-    added-vocab range) and the fused QKV projection relate to the ranks; the check stops at
-    attention's first product (the ranks' q/k reach it through the rotary write-back into the
-    fused qkv buffer, too many structural hops from the rotary outputs). Not REFINES yet: this
-    pins what does work, and where it stops."""
+def test_qwen2_tp2_refines(tmp_path: Path) -> None:
+    """vLLM Qwen2, one layer, TP2: the vocab-parallel embedding, the fused QKV projection, the
+    in-place rotary written back into the fused qkv buffer (slice_scatter) and read out again
+    for attention (the structural retry of prove.infer), the MLP and the final norm."""
     r, out = _import(tmp_path, "qwen2/paral1_layer1", "qwen2/paral2_layer1", "qwen2.json")
     assert r.exit_code == 0, r.output
     report = check_files(out / "seq.json", out / "dist.json")
+    assert report.refines, str(report)
+    (hidden,) = report.outputs
+    assert hidden.ok and "<" not in hidden.relation, hidden.relation  # no opaque leaf: every node related
+
+
+@needs_corpus
+@SLOW
+def test_qwen2_tp4_passes_the_first_attention_product(tmp_path: Path) -> None:
+    """TP4: 12 query heads over 4 ranks (3 each), 2 KV heads each replicated on two ranks.
+    The fused layout lists both copies (importer.fused_layouts); the replica facts prove each
+    rank's own key columns equal to its group's first rank's (prove.join_fact_consequences),
+    and q @ k^T and the softmax relate. Not REFINES yet: the check stops at attention's second
+    product (attn @ v, ~35 s CPU with localization). This pins where it stops."""
+    r, out = _import(tmp_path, "qwen2/paral1_layer1", "qwen2/paral4_layer1", "qwen2.json")
+    assert r.exit_code == 0, r.output
+    rel = {x["from"]: x for x in json.loads((out / "dist.json").read_text())["relations"]}
+    assert isinstance(rel["arg4_1"]["layout"], list) and len(rel["arg4_1"]["layout"]) == 2
+    report = check_files(out / "seq.json", out / "dist.json")
     assert not report.refines and report.culprit is not None
     c = report.culprit
-    assert c.op == "vllm_attention" and c.core_node == "auto_functionalized_2.1.matmul", c
-    # localization names the first node without a clean relation: the embedding and QKV ones are clean
-    assert c.inputs[0][1] == "transpose(cat(auto_functionalized_1.1.cat@0, auto_functionalized_1.1.cat@1, dim=1), 0, 1)"
+    assert c.op == "vllm_attention" and c.core_node == "auto_functionalized_2.1.matmul2", c
+    assert c.inputs[0][0] == "auto_functionalized_2.1.softmax", c.inputs  # the first product and softmax are clean
 
 
 @needs_corpus

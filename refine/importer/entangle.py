@@ -678,28 +678,40 @@ def fused_layout(name: str, parts: list[dict[str, int]], dim: int, n: int) -> st
     """The layout expression of a sequential weight cat(part_0, part_1, ..., dim) whose rank r
     holds cat(part_0[r], part_1[r], ...) along `dim`: each part split evenly by heads across
     the ranks, or (fewer heads than ranks) each head on a group of n / heads ranks (the
-    layout reads it from the group's first rank)."""
-    local_sizes = []
+    layout reads it from the group's first rank; `fused_layouts` lists the other members'
+    copies too)."""
+    return fused_layouts(name, parts, dim, n)[0]
+
+
+def fused_layouts(name: str, parts: list[dict[str, int]], dim: int, n: int) -> list[str]:
+    """`fused_layout` and its replicas: the k-th reads each replicated head from the k-th
+    rank of its group. Without them a group's other ranks hold free values where they use
+    their copy of the head (a TP4 rank's KV head, shared with its neighbour)."""
+    local_sizes, groups = [], []
     for p in parts:
         size, heads = int(p["size"]), int(p.get("heads", n))
         if heads >= n:
             if heads % n or size % n:
                 raise ValueError(f"part {p} does not split evenly over {n} ranks")
             local_sizes.append(size // n)
+            groups.append(1)
         else:
             if n % heads or size % heads:
                 raise ValueError(f"part {p}: {heads} heads do not divide {n} ranks")
             local_sizes.append(size // heads)
-    pieces = []
-    for i, p in enumerate(parts):
-        size, heads = int(p["size"]), int(p.get("heads", n))
-        start = sum(local_sizes[:i])
-        owners = range(n) if heads >= n else range(0, n, n // heads)
-        part = [f"slice({name}@{r}, {dim}, {start}, {start + local_sizes[i]})" for r in owners]
-        # one concat per part: the program slices the parts apart again, and a part is then
-        # one element of the outer concat (a wide flat concat of every piece proves slowly)
-        pieces.append(part[0] if len(part) == 1 else f"cat({', '.join(part)}, dim={dim})")
-    return pieces[0] if len(pieces) == 1 else f"cat({', '.join(pieces)}, dim={dim})"
+            groups.append(n // heads)
+    out = []
+    for k in range(max(groups)):
+        pieces = []
+        for i, g in enumerate(groups):
+            start = sum(local_sizes[:i])
+            owners = range(n) if g == 1 else range(k % g, n, g)
+            part = [f"slice({name}@{r}, {dim}, {start}, {start + local_sizes[i]})" for r in owners]
+            # one concat per part: the program slices the parts apart again, and a part is then
+            # one element of the outer concat (a wide flat concat of every piece proves slowly)
+            pieces.append(part[0] if len(part) == 1 else f"cat({', '.join(part)}, dim={dim})")
+        out.append(pieces[0] if len(pieces) == 1 else f"cat({', '.join(pieces)}, dim={dim})")
+    return out
 
 
 def load_relations(path: str | Path) -> dict[str, Any]:
@@ -819,7 +831,8 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
             if "fused" in spec:
                 f = spec["fused"]
                 try:
-                    relations.append({"from": name, "layout": fused_layout(locals_[0], f["parts"], int(f["dim"]), n)})
+                    layouts = fused_layouts(locals_[0], f["parts"], int(f["dim"]), n)
+                    relations.append({"from": name, "layout": layouts[0] if len(layouts) == 1 else layouts})
                 except (ValueError, KeyError, TypeError) as e:
                     raise InputError(str(relations_path), f"input {i} ({name})", f"fused layout: {e}") from None
             elif "layout" in spec:
