@@ -158,13 +158,14 @@ def test_aws_llama_second_layer_is_replayed(tmp_path: Path) -> None:
     assert report.stats["replayed"] == replayed
 
 
-def _balanced(t: Term) -> Term:
-    """t with every concat chain along one dim rebuilt as a balanced tree (the same parts,
-    in order), the nesting another extraction or relation builder may produce."""
+def _right_nested(t: Term) -> Term:
+    """t with every concat chain along one dim rebuilt as a right-nested chain (the same
+    parts, in order): not the balanced tree `expr.cat` builds past three parts, the nesting
+    another extraction or relation builder may produce."""
     if not t.args:
         return t
     if t.op != "cat":
-        return Term(t.op, tuple(_balanced(a) for a in t.args), t.attrs)
+        return Term(t.op, tuple(_right_nested(a) for a in t.args), t.attrs)
     parts: list[Term] = []
     todo = [t]
     while todo:  # the chain's parts, left to right
@@ -172,22 +173,19 @@ def _balanced(t: Term) -> Term:
         if x.op == "cat" and x.attrs == t.attrs:
             todo += reversed(x.args)
         else:
-            parts.append(_balanced(x))
+            parts.append(_right_nested(x))
 
     def build(ps: list[Term]) -> Term:
-        if len(ps) == 1:
-            return ps[0]
-        mid = len(ps) // 2
-        return Term("cat", (build(ps[:mid]), build(ps[mid:])), t.attrs)
+        return ps[0] if len(ps) == 1 else Term("cat", (ps[0], build(ps[1:])), t.attrs)
 
     return build(parts)
 
 
 def test_concat_nesting_is_one_canonical_form() -> None:
     a, b, c, d = (leaf(x) for x in "abcd")
-    right = Term("cat", (a, Term("cat", (b, Term("cat", (c, d), (1,))), (1,))), (1,))
-    balanced = _balanced(right)
-    assert balanced != right and balanced.args[0].op == "cat"
+    balanced = Term("cat", (Term("cat", (a, b), (1,)), Term("cat", (c, d), (1,))), (1,))
+    right = _right_nested(balanced)
+    assert right != balanced and right.args[1].op == "cat" and right.args[0] == a
     assert canon(balanced, str) == canon(right, str) == Term("cat", (a, b, c, d), (1,))
     # a concat along another dim is a part, not flattened into it
     mixed = Term("cat", (Term("cat", (a, b), (0,)), Term("cat", (c, d), (1,))), (1,))
@@ -196,7 +194,7 @@ def test_concat_nesting_is_one_canonical_form() -> None:
 
 def test_a_differently_nested_concat_is_still_replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four ranks: fc1's relation is a concat of four parts. Offered to the replayer nested
-    as a balanced tree (what an earlier layer's steps were not told), the later layers'
+    as a right chain (not the balanced tree an earlier layer's steps were told), the later layers'
     nodes are replayed all the same; with concats compared as nested, they are not."""
     base, _, _ = _check(_stack(tmp_path / "a", world=4))
     replayed_base = base.stats["replayed"]
@@ -204,8 +202,8 @@ def test_a_differently_nested_concat_is_still_replayed(tmp_path: Path, monkeypat
     offered: list[bool] = []
 
     def renested(self: Replayer, term: Term) -> Any:
-        offered.append(_balanced(term) != term)
-        return original(self, _balanced(term))
+        offered.append(_right_nested(term) != term)
+        return original(self, _right_nested(term))
 
     monkeypatch.setattr(Replayer, "replay", renested)
     report, replayed, _ = _check(_stack(tmp_path / "b", world=4))
