@@ -38,6 +38,7 @@ DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
 CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by its users
 CARRY_HOPS = 12  # and the frontier of their steps' retry
+COUNTERPART_DEPTH = 8  # uses downstream of its step a rank counterpart stays offered (see _counterparts)
 FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
 INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
@@ -635,7 +636,10 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     clean = {k: True for k in inputs}
     steps: dict[str, StepResult] = {}
     known: set[str] = {n for n, d in prog.defs.items() if d is None}
-    counterparts: set[str] = set()  # see _counterparts: available, with their definitions
+    # see _counterparts: available, with their definitions, to the sequential nodes within
+    # COUNTERPART_DEPTH uses of the step that found them (kept for every later step, each
+    # layer's made every later frontier larger: aws_llama TP8 eight layers took 3.6 GB)
+    offered: dict[str, dict[str, int]] = {}  # node -> counterpart -> uses it may still go
     fusing = {name for name, op in registry.ops.items() if op.fuse}
     # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
@@ -657,11 +661,13 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             # the ranks' counterpart of a carried term is as far as its chain; a view of one
             # (the rank holds no more of it than of the term) is searched near only
             tries = hops[:1] if n.op in _STRUCTURAL else (hops[0], CARRY_HOPS)
+        counterparts = _offered_to(n, offered)
+        cps = set(counterparts)
         res = replayer.replay(term) if replayer is not None else None
         tensors: list[str] = []
         if res is None:
             for h in tries:
-                tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, h, counterparts)
+                tensors = frontier(prog, _with_replicas(prog, leaves), known | cps, h, cps)
                 res = engine.step(term, prog, registry, tensors, iterations=DEEP_ITERATIONS if h == DEEP_HOPS else 0)
                 if res.clean:
                     break
@@ -670,7 +676,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 # the ranks write what the inputs relate to back into a buffer and read it out
                 # again: retried once over the structural chain (only there, so a step that
                 # fails elsewhere keeps the search, and the culprit, it had)
-                tensors = frontier(prog, _with_replicas(prog, leaves), known | counterparts, tries[0], counterparts,
+                tensors = frontier(prog, _with_replicas(prog, leaves), known | cps, tries[0], cps,
                                    structural=True)
                 res = engine.step(term, prog, registry, tensors)
             if replayer is not None and res.clean:
@@ -679,7 +685,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         steps[n.name] = res
         known |= res.best.leaves()
         if res.clean:
-            counterparts |= _counterparts(prog, n.op, leaves, tensors) - known
+            for c in _counterparts(prog, n.op, leaves, tensors) - known:
+                counterparts[c] = COUNTERPART_DEPTH
+        offered[n.name] = counterparts
         if res.clean:
             clean[n.name] = True
             down[n.name] = res.best
@@ -777,6 +785,16 @@ def _dag_size(t: Term) -> int:
         seen.add(x)
         todo.extend(x.args)
     return sum(1 for x in seen if x.op != "cat")
+
+
+def _offered_to(n: Node, offered: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The counterparts offered to `n`: its inputs', one use further on, while within depth."""
+    out: dict[str, int] = {}
+    for a in n.tensor_args():
+        for c, left in offered.get(a, {}).items():
+            if left > 0 and left - 1 > out.get(c, -1):
+                out[c] = left - 1  # offered at 0 too, but passed on no further
+    return out
 
 
 def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[str]) -> set[str]:
