@@ -77,3 +77,21 @@ def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.Monk
         seen[early] = ([(o.name, o.relation) for o in report.outputs], sum(engine.fired.values()))
     assert seen[True][0] == seen[False][0]
     assert seen[True][1] < seen[False][1]
+
+
+def test_counterparts_are_offered_within_their_depth() -> None:
+    """A rank counterpart found at one node is offered to the nodes up to COUNTERPART_DEPTH
+    uses downstream (through any input, at the nearest distance) and to none further: kept
+    for every later step, each layer's made every later frontier larger."""
+    from refine.ir import Node, TensorType
+
+    t = TensorType([2], "float32")
+    chain = [Node(f"n{i}", "exp", [f"n{i - 1}"] if i else ["x"], {}, t) for i in range(prove.COUNTERPART_DEPTH + 2)]
+    offered: dict[str, dict[str, int]] = {"n0": {"c@0": prove.COUNTERPART_DEPTH}}
+    for n in chain[1:]:
+        offered[n.name] = prove._offered_to(n, offered)
+    reached = [n.name for n in chain[1:] if "c@0" in offered[n.name]]
+    assert reached == [f"n{i}" for i in range(1, prove.COUNTERPART_DEPTH + 1)]
+    # a node with a near and a far input gets the nearer one's distance
+    join = Node("j", "add", ["n1", f"n{prove.COUNTERPART_DEPTH}"], {}, t)
+    assert prove._offered_to(join, offered) == {"c@0": prove.COUNTERPART_DEPTH - 2}
