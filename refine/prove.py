@@ -645,7 +645,35 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         layer = nxt
         if not layer:
             break
+    if prog.facts:
+        _fact_chains(prog, leaves, chosen, seen)
     return chosen
+
+
+def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str]) -> None:
+    """Append to `chosen` the definitions of the rank tensors the e-graph names without one
+    (the leaves, what chosen definitions read) that walked ops compute from a fact's leaf
+    (refine.replica), with the chains between. A fact is told only where the e-graph holds
+    its leaves, and says nothing of a tensor computed from them whose definition is not
+    stated: a relation naming one rank's broadcast of a replicated bias (`addmm.expand@1`)
+    next to a rank's sum with its own (`addmm.expand@0`) is proven only through both
+    broadcasts' definitions. Definitions are true equalities: this only adds knowledge."""
+    canon = prog.same.find
+    fact_leaves = {canon(x) for x in prog.fact_index}
+    named = set(leaves)
+    for x in chosen:
+        d = prog.defs.get(x)
+        if d is not None:
+            named |= d.leaves()
+    for x in sorted(named):
+        if x in seen or prog.defs.get(x) is None:
+            continue
+        trial, taken = set(fact_leaves), []
+        if _derive(prog, x, trial, STRUCT_DEPTH, taken):
+            for y in taken:
+                if y not in seen:
+                    seen.add(y)
+                    chosen.append(y)
 
 
 def is_constant(prog: DistProgram, name: str) -> bool:
