@@ -320,7 +320,7 @@ def _hoist(text: str, start: int = 0) -> tuple[str, list[str]]:
     i = 0
     while i < len(text):
         if text.startswith("(shape ", i):
-            j = _end_of_atom(text, i)
+            j = end_of_atom(text, i)
             expr = text[i:j]
             if expr not in seen:
                 seen[expr] = f"__s{start + len(seen)}"
@@ -341,13 +341,13 @@ def _macros(text: str) -> str:
         if text.startswith("(size ", i):
             out.append("(vec-get (shape ")
             i += len("(size ")
-            j = _end_of_atom(text, i)
+            j = end_of_atom(text, i)
             out.append(text[i:j] + ")")
             i = j
         elif text.startswith("(ndim ", i):
             out.append("(vec-length (shape ")
             i += len("(ndim ")
-            j = _end_of_atom(text, i)
+            j = end_of_atom(text, i)
             out.append(text[i:j] + "))")
             i = j
             # skip the closing paren of (ndim x)
@@ -359,7 +359,7 @@ def _macros(text: str) -> str:
     return "".join(out)
 
 
-def _end_of_atom(text: str, i: int) -> int:
+def end_of_atom(text: str, i: int) -> int:
     if text[i] == "(":
         depth = 0
         for j in range(i, len(text)):

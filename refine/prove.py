@@ -11,7 +11,9 @@ topological order keeps every e-graph small.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -21,7 +23,16 @@ from egglog import bindings
 
 from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
-from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
+from refine.opset import (
+    ATTR_SORTS,
+    COMPUTE,
+    LEAF,
+    LEAF_OUT,
+    Registry,
+    compile_text,
+    dims_prelude,
+    end_of_atom,
+)
 from refine.relate import DistProgram, term_type
 from refine.reuse import Premises, Replayer
 
@@ -42,6 +53,15 @@ COUNTERPART_DEPTH = 8  # uses downstream of its step a rank counterpart stays of
 FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
 INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
+# `shape` keeps its first value (:merge old): a union of two classes of different shapes
+# would pass silently, and it is either a wrong shape rule or a false equality. With this
+# set (REFINE_SHAPE_AUDIT=1), every shape set is also recorded and a step whose e-graph
+# holds a class with two shapes raises ShapeConflict: a debugging aid (a second table).
+SHAPE_AUDIT = os.environ.get("REFINE_SHAPE_AUDIT", "") not in ("", "0")
+
+
+class ShapeConflict(RuntimeError):
+    """An e-class with two different shapes (Engine.audit_shapes)."""
 
 
 @dataclass
@@ -68,6 +88,7 @@ class Engine:
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0, "replayed": 0})
     cache: dict[str, _Solved] = field(default_factory=dict)
     fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
+    audit_shapes: bool = SHAPE_AUDIT
 
     def __post_init__(self) -> None:
         reg = self.registry
@@ -93,6 +114,11 @@ class Engine:
         lines += self.registry.decls
         lines.append("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))")
         lines.append("(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
+        if self.audit_shapes:
+            lines.append("(relation ShapeSeen (T IV))")
+            lines.append("(relation ShapeConflict (T IV IV))")
+            lines.append("(ruleset audit)")
+            lines.append("(rule ((ShapeSeen e a) (ShapeSeen e b) (!= a b)) ((ShapeConflict e a b)) :ruleset audit)")
         for op in self.core.values():
             if op.egglog_shape:
                 lines.append(_in_ruleset(op.egglog_shape, "shapes"))
@@ -111,6 +137,8 @@ class Engine:
         return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
 
     def _run(self, program: str) -> list:
+        if self.audit_shapes:
+            program = _record_shapes(program)
         try:
             return self.eg.run_program(*self.eg.parse_program(program))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
@@ -175,6 +203,8 @@ class Engine:
             cost = int(best_out.cost)
             found = re.findall(r'\(Found "([^"]*)"\)', str(out[0]))
             same = tuple(re.findall(r'\(Same "([^"]*)" "([^"]*)"\)', str(out[1])))
+            if self.audit_shapes:
+                self._audit(program)
             results = []
             for ce in checks:
                 try:
@@ -185,6 +215,17 @@ class Engine:
         finally:
             self._run("(pop)")
         return _Solved(best, cost, found, tuple(results), fired, same)
+
+    def _audit(self, program: str) -> None:
+        """SHAPE_AUDIT: raise if the step's e-graph holds a class with two shapes, writing
+        the step's program (over canonical leaf names) to a file the message names."""
+        self._run("(run-schedule (saturate (run shapes)) (run audit))")
+        conflicts = str(self._run("(print-function ShapeConflict 20)")[0]).strip()
+        if conflicts.strip("()\n "):
+            with tempfile.NamedTemporaryFile("w", suffix=".egg", prefix="shape-conflict-", delete=False) as f:
+                f.write(program)
+            raise ShapeConflict(f"an e-class holds two shapes (a wrong shape rule or a false equality); "
+                                f"the step's program is {f.name}:\n{conflicts}")
 
     def _saturate(self, iterations: int, early: bool) -> tuple[Counter[str], bindings.ExtractBest]:
         """Run up to `iterations` rule iterations (see EARLY_STOP); the rules' matches and
@@ -256,6 +297,22 @@ def _rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
     if t.op in LEAF_OPS or t.op == OPAQUE:
         return Term(t.op, (), (back[t.attrs[0]][1],))
     return Term(t.op, tuple(_rename(a, back) for a in t.args), t.attrs)
+
+
+def _record_shapes(text: str) -> str:
+    """Each `(set (shape X) S)` of egglog text followed by `(ShapeSeen X S)` (SHAPE_AUDIT)."""
+    out: list[str] = []
+    i = 0
+    while (j := text.find("(set (shape ", i)) >= 0:
+        end = end_of_atom(text, j)
+        x_at = j + len("(set ")
+        x_end = end_of_atom(text, x_at)
+        target = text[x_at + len("(shape "):x_end - 1]
+        value = text[x_end:end - 1].strip()
+        out.append(text[i:end] + f" (ShapeSeen {target} {value})")
+        i = end
+    out.append(text[i:])
+    return "".join(out)
 
 
 def _in_ruleset(text: str, ruleset: str) -> str:
@@ -589,7 +646,35 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         layer = nxt
         if not layer:
             break
+    if prog.facts:
+        _fact_chains(prog, leaves, chosen, seen)
     return chosen
+
+
+def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str]) -> None:
+    """Append to `chosen` the definitions of the rank tensors the e-graph names without one
+    (the leaves, what chosen definitions read) that walked ops compute from a fact's leaf
+    (refine.replica), with the chains between. A fact is told only where the e-graph holds
+    its leaves, and says nothing of a tensor computed from them whose definition is not
+    stated: a relation naming one rank's broadcast of a replicated bias (`addmm.expand@1`)
+    next to a rank's sum with its own (`addmm.expand@0`) is proven only through both
+    broadcasts' definitions. Definitions are true equalities: this only adds knowledge."""
+    canon = prog.same.find
+    fact_leaves = {canon(x) for x in prog.fact_index}
+    named = set(leaves)
+    for x in chosen:
+        d = prog.defs.get(x)
+        if d is not None:
+            named |= d.leaves()
+    for x in sorted(named):
+        if x in seen or prog.defs.get(x) is None:
+            continue
+        trial, taken = set(fact_leaves), []
+        if _derive(prog, x, trial, STRUCT_DEPTH, taken):
+            for y in taken:
+                if y not in seen:
+                    seen.add(y)
+                    chosen.append(y)
 
 
 def is_constant(prog: DistProgram, name: str) -> bool:

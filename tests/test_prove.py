@@ -5,6 +5,7 @@ premises, renamed, hold: tests/test_reuse.py)."""
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,20 @@ def test_counterparts_are_offered_within_their_depth() -> None:
     # a node with a near and a far input gets the nearer one's distance
     join = Node("j", "add", ["n1", f"n{prove.COUNTERPART_DEPTH}"], {}, t)
     assert prove._offered_to(join, offered) == {"c@0": prove.COUNTERPART_DEPTH - 2}
+
+
+def test_shape_audit_finds_a_class_with_two_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`shape` keeps its first value when two classes are joined (:merge old), so a join of
+    tensors of different shapes (a false equality or a wrong shape rule) passed silently;
+    the audit (REFINE_SHAPE_AUDIT=1) raises on one, and stays quiet on a sound check."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the conflicting program is written
+    registry = load_registry()
+    engine = prove.Engine(registry, audit_shapes=True)
+    program = "\n".join(['(set (shape (D "a")) (vec-of 2 3))', '(set (shape (D "b")) (vec-of 3 2))',
+                         '(let $__seq (transpose (D "a") 0 1))', "(let $__mark (Mark $__seq))",
+                         '(union (D "b") (D "a"))'])
+    with pytest.raises(prove.ShapeConflict, match="two shapes"):
+        engine._solve(program, [])
+    engine._solve(program.replace("(vec-of 3 2)", "(vec-of 2 3)"), [])  # equal shapes: quiet
+    monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, e=engine: e)
+    assert check_files(*_stacked_tp_mlp(tmp_path, layers=2)).refines

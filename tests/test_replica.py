@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
 from refine.evaluate import differential, random_inputs
 from refine.expr import Term, leaf
 from refine.format import load_dist, load_seq
 from refine.opset import load_registry
+from refine.relate import build_program, seq_input_relations
 from refine.replica import join_replicas
 
 REG = load_registry()
@@ -82,3 +84,45 @@ def test_join_replicas_unions_whole_pieces_only() -> None:
     leaves, facts = join_replicas(x, y, shape_of)
     assert leaves == [("a@0", "a@1")]
     assert facts == [(x.args[1], y.args[1])]
+
+
+def _bias_case(tmp_path: Path) -> tuple[Path, Path]:
+    """y = M + B; each rank adds a broadcast of its b (rows 0:2 replicated) to its m."""
+    s = GraphBuilder()
+    b_, m_ = s.input("B", [2], role="parameter"), s.input("M", [3, 2])
+    s.output("y", s.op("add", m_, b_, name="y"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        b, m = d.input("b", [4], role="parameter"), d.input("m", [3, 4])
+        t = d.op("add", d.op("expand", b, name="e", shape=[3, 4]), m, name="s")
+        d.output("y", d.op("slice", t, name="v", dim=1, start=0, end=2))
+        ranks[r] = d
+    rel = [{"from": "B", "layout": ["slice(b@0, 0, 0, 2)", "slice(b@1, 0, 0, 2)"]},
+           {"from": "M", "layout": ["slice(m@0, 1, 0, 2)", "slice(m@1, 1, 0, 2)"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, [{"output": "y", "placements": ["Replicate"]}]))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+@pytest.mark.parametrize("chains", [True, False])
+def test_a_fact_reaches_a_tensor_computed_from_its_leaf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        chains: bool) -> None:
+    """A relation naming rank 1's broadcast bias next to rank 0's own m (qwen2 TP4's v: an
+    earlier step's best term) is rank 0's v only through rank 0's broadcast of its own b,
+    a tensor the frontier finds available but the e-graph named without its definition: the
+    fact about b's rows never reached it (prove._fact_chains states it). Without that, the
+    same step does not prove it (what the `chains=False` case shows)."""
+    if not chains:
+        monkeypatch.setattr(prove, "_fact_chains", lambda *args: None)
+    seq_path, dist_path = _bias_case(tmp_path)
+    seq = load_seq(seq_path, REG)
+    dist = load_dist(dist_path, REG, seq)
+    prog, _ = build_program(dist, REG, str(dist_path))
+    seq_input_relations(dist, seq, prog, REG, str(dist_path))  # states the replicas' facts
+    assert prog.facts
+    term = Term("Sum", (Term("slice", (leaf("e@1"),), (1, 0, 2)), Term("slice", (leaf("m@0"),), (1, 0, 2))))
+    tensors = prove.frontier(prog, {"e@1", "m@0"}, {"b@0", "b@1", "m@0", "m@1", "e@0"}, 3)
+    assert ("e@0" in tensors) is chains
+    res = prove.Engine(REG).step(term, prog, REG, tensors, checks=[leaf("v@0")])
+    assert res.checks == [chains]
+    assert check_files(seq_path, dist_path).refines
