@@ -41,6 +41,7 @@ CARRY_HOPS = 12  # and the frontier of their steps' retry
 FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a hop (see frontier)
 INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
+PARSE_CACHE = 50_000  # parsed statements kept (Engine._parse)
 
 
 @dataclass
@@ -74,6 +75,7 @@ class Engine:
         self.sorts = {n: tuple(ATTR_SORTS[k.rstrip("?")] for _, k in op.attrs) for n, op in self.core.items()}
         self.clean_ops = CLEAN_OPS | {n for n, op in self.core.items() if op.clean}
         self.eg = bindings.EGraph()
+        self._parsed: dict[str, list] = {}
         self._run(self.declarations())
 
     def declarations(self) -> str:
@@ -111,9 +113,27 @@ class Engine:
 
     def _run(self, program: str) -> list:
         try:
-            return self.eg.run_program(*self.eg.parse_program(program))
+            return self.eg.run_program(*self._parse(program))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
             raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
+
+    def _parse(self, program: str) -> list:
+        """The program's commands, parsed one top-level statement at a time: egglog's
+        Python bindings give every span of a parse its own copy of the whole source text,
+        so parsing a program at once costs its length times its size (1 GB of strings for
+        the declarations). Statements repeat across steps (canonical leaf names), so their
+        commands are kept."""
+        cache = self._parsed
+        out: list = []
+        for st in _statements(program):
+            cmds = cache.get(st)
+            if cmds is None:
+                cmds = self.eg.parse_program(st)
+                if len(cache) >= PARSE_CACHE:
+                    cache.pop(next(iter(cache)))
+                cache[st] = cmds
+            out.extend(cmds)
+        return out
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
              checks: Iterable[Term] = (), iterations: int = 0) -> StepResult:
@@ -216,6 +236,35 @@ class Engine:
         its users then need far fewer rewrites: such a step runs the whole bound."""
         heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
         return heads <= _PLAIN_HEADS
+
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
+_GAP = re.compile(r"(?:\s|;[^\n]*)*")
+
+
+def _statements(text: str) -> list[str]:
+    """`text` cut into its top-level parenthesised statements; the whole text as one when
+    anything else stands between them (egglog then reports it)."""
+    out: list[str] = []
+    depth, start, end = 0, 0, 0
+    for m in _TOKEN.finditer(text):
+        tok = m.group()
+        if tok == "(":
+            if depth == 0:
+                if not _GAP.fullmatch(text, end, m.start()):
+                    return [text]
+                start = m.start()
+            depth += 1
+        elif tok == ")":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:m.end()])
+                end = m.end()
+            elif depth < 0:
+                return [text]
+    if depth or not _GAP.fullmatch(text, end):
+        return [text]
+    return out
 
 
 _HEAD = re.compile(r"\((\S+)")
