@@ -42,6 +42,8 @@ FREE_INDEX_OPS = 32  # bool/int rank tensors a frontier takes without counting a
 INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
 CACHE_SIZE = 20_000  # step results kept for reuse (a few KB each)
 PARSE_CACHE = 50_000  # parsed statements kept (Engine._parse)
+GRAPHS = 48  # e-graphs kept, each declaring the rules some steps can use (Engine._graph)
+GRAPH_SLACK = 32  # a step runs on a kept e-graph with up to twice its rules and this many more
 
 
 @dataclass
@@ -74,9 +76,44 @@ class Engine:
         self.core = {n: op for n, op in reg.ops.items() if op.core}
         self.sorts = {n: tuple(ATTR_SORTS[k.rstrip("?")] for _, k in op.attrs) for n, op in self.core.items()}
         self.clean_ops = CLEAN_OPS | {n for n, op in self.core.items() if op.clean}
-        self.eg = bindings.EGraph()
         self._parsed: dict[str, list] = {}
-        self._run(self.declarations())
+        self._full: bindings.EGraph | None = None
+        self._decls = _Declarations.of(self.declarations())
+        # e-graphs by the rules and tables they declare, least recently used first
+        self._graphs: dict[_Need, bindings.EGraph] = {}
+
+    @property
+    def eg(self) -> bindings.EGraph:
+        """An e-graph with every declaration and rule (steps run on one with the rules they
+        can use, see _graph)."""
+        if self._full is None:
+            self._full = self._declare(self._decls.everything())
+        return self._full
+
+    def _declare(self, need: _Need) -> bindings.EGraph:
+        eg = bindings.EGraph()
+        self._run(self._decls.program(need), eg)
+        return eg
+
+    def _graph(self, need: _Need) -> bindings.EGraph:
+        """An e-graph declaring what `need` says and maybe a little more. An e-graph is
+        cloned at each step's push and dropped at its pop, at a cost that grows with the
+        rules and tables declared (most of a step's time with all of them); building one
+        costs a few pushes, so a kept one with up to twice the rules is taken."""
+        best: _Need | None = None
+        for key in self._graphs:
+            if need.within(key) and len(key.rules) <= 2 * len(need.rules) + GRAPH_SLACK and \
+                    (best is None or key.size < best.size):
+                best = key
+        if best is None:
+            if len(self._graphs) >= GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            best = need
+            eg = self._declare(need)
+        else:
+            eg = self._graphs.pop(best)
+        self._graphs[best] = eg
+        return eg
 
     def declarations(self) -> str:
         lines = [
@@ -111,13 +148,14 @@ class Engine:
         prelude = [dims_prelude()] if self.symbolic else []
         return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
 
-    def _run(self, program: str) -> list:
+    def _run(self, program: str, eg: bindings.EGraph | None = None) -> list:
+        eg = self.eg if eg is None else eg
         try:
-            return self.eg.run_program(*self._parse(program))
+            return eg.run_program(*self._parse(program, eg))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
             raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
 
-    def _parse(self, program: str) -> list:
+    def _parse(self, program: str, eg: bindings.EGraph) -> list:
         """The program's commands, parsed one top-level statement at a time: egglog's
         Python bindings give every span of a parse its own copy of the whole source text,
         so parsing a program at once costs its length times its size (1 GB of strings for
@@ -128,7 +166,7 @@ class Engine:
         for st in _statements(program):
             cmds = cache.get(st)
             if cmds is None:
-                cmds = self.eg.parse_program(st)
+                cmds = eg.parse_program(st)
                 if len(cache) >= PARSE_CACHE:
                     cache.pop(next(iter(cache)))
                 cache[st] = cmds
@@ -185,11 +223,14 @@ class Engine:
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
-        self._run("(push)")
+        # the rules whose queries can match in this e-graph (_Declarations.closure): any
+        # other never fires, so the step's e-graph and result are the same without them
+        eg = self._graph(self._decls.closure(program + "\n" + "\n".join(checks)))
+        self._run("(push)", eg)
         try:
-            self._run(program)
-            fired, best_out = self._saturate(iterations, early=EARLY_STOP and not checks)
-            out = self._run("(print-function Found 100000)\n(print-function Same 100000)")
+            self._run(program, eg)
+            fired, best_out = self._saturate(iterations, early=EARLY_STOP and not checks, eg=eg)
+            out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
             found = re.findall(r'\(Found "([^"]*)"\)', str(out[0]))
@@ -197,28 +238,28 @@ class Engine:
             results = []
             for ce in checks:
                 try:
-                    self._run(f"(check (= $__seq {ce}))")
+                    self._run(f"(check (= $__seq {ce}))", eg)
                     results.append(True)
                 except RuntimeError:
                     results.append(False)
         finally:
-            self._run("(pop)")
+            self._run("(pop)", eg)
         return _Solved(best, cost, found, tuple(results), fired, same)
 
-    def _saturate(self, iterations: int, early: bool) -> tuple[Counter[str], bindings.ExtractBest]:
+    def _saturate(self, iterations: int, early: bool, eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest]:
         """Run up to `iterations` rule iterations (see EARLY_STOP); the rules' matches and
         the target's best term."""
         fired: Counter[str] = Counter()
         if not early:
-            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))")
+            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))", eg)
             fired.update({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
-            return fired, self._run("(extract $__seq)")[0]
+            return fired, self._run("(extract $__seq)", eg)[0]
         best, since = None, 0
         for _ in range(iterations):
-            ran = self._run("(run-schedule (saturate (run shapes)) (run))")
+            ran = self._run("(run-schedule (saturate (run shapes)) (run))", eg)
             report = ran[-1].report
             fired.update({k: v for k, v in report.num_matches_per_rule.items() if v})
-            out = self._run("(extract $__seq)")[0]
+            out = self._run("(extract $__seq)", eg)[0]
             if best is None or out.cost < best.cost:
                 best, since = out, 0
             else:
@@ -264,6 +305,180 @@ def _statements(text: str) -> list[str]:
                 return [text]
     if depth or not _GAP.fullmatch(text, end):
         return [text]
+    return out
+
+
+_RULE_HEADS = ("rule", "rewrite", "birewrite")
+_NAME = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s()";]+)')
+
+
+@dataclass(frozen=True)
+class _Direction:
+    rule: int
+    needs: frozenset[str]  # the tables a match reads: a rule never fires while one is empty
+    makes: frozenset[str]  # the tables its actions may add to
+
+
+@dataclass(frozen=True)
+class _Need:
+    """What a step's e-graph must declare: the rules that can fire in it and every table
+    the program, those rules and the engine's own commands name."""
+
+    rules: frozenset[int]
+    tables: frozenset[str]
+
+    def within(self, other: _Need) -> bool:
+        return self.rules <= other.rules and self.tables <= other.tables
+
+    @property
+    def size(self) -> int:
+        return len(self.rules) + len(self.tables)
+
+
+_ENGINE_TABLES = frozenset({"Found", "Same", "Mark", "D", "Out", OPAQUE, "shape"})  # named by Engine itself
+
+
+@dataclass
+class _Declarations:
+    """The engine's declarations, cut into statements, and what each rule reads and
+    writes, to run a step with only the rules that can fire in it.
+
+    Why that changes nothing: a rule's query looks up every table at the head of one of
+    its atoms, so it has no match while one of them is empty; the tables a step's e-graph
+    can ever fill are those its program names and those the actions of rules that can
+    match write, a least fixpoint (`closure`). Every other rule never fires, and every
+    other table stays empty, in that e-graph as in one declaring everything; what is
+    declared keeps its order."""
+
+    statements: list[tuple[str, int | None, str | None]]  # (text, its rule's index, the table it declares)
+    rules: list[str]
+    tables: frozenset[str]  # every constructor, function and relation
+    directions: list[_Direction]
+    named: list[frozenset[str]]  # per rule, every table it names
+    closures: dict[frozenset[str], _Need] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, text: str) -> _Declarations:
+        statements: list[tuple[str, int | None, str | None]] = []
+        rules: list[str] = []
+        parsed = []
+        tables: set[str] = set()
+        for st in _statements(text):
+            sx = _sexp(st)
+            head = sx[0] if sx else None
+            if head in _RULE_HEADS:
+                statements.append((st, len(rules), None))
+                rules.append(st)
+                parsed.append(sx)
+            elif head in ("constructor", "function", "relation"):
+                statements.append((st, None, sx[1]))
+                tables.add(sx[1])
+            else:
+                statements.append((st, None, None))
+        directions = [d for i, sx in enumerate(parsed) for d in _directions(i, sx, tables)]
+        named = [frozenset(_names(r) & tables) for r in rules]
+        return cls(statements, rules, frozenset(tables), directions, named)
+
+    def everything(self) -> _Need:
+        return _Need(frozenset(range(len(self.rules))), self.tables)
+
+    def program(self, need: _Need) -> str:
+        return "\n".join(st for st, i, t in self.statements
+                         if (i is None or i in need.rules) and (t is None or t in need.tables))
+
+    def closure(self, program: str) -> _Need:
+        """The rules that can fire on an e-graph holding `program` and the tables they and
+        it name."""
+        have = frozenset(_names(program) & self.tables)
+        hit = self.closures.get(have)
+        if hit is not None:
+            return hit
+        known = set(have)
+        on: set[int] = set()
+        pending = self.directions
+        grew = True
+        while grew:
+            grew = False
+            rest = []
+            for d in pending:
+                if d.needs <= known:
+                    on.add(d.rule)
+                    if not d.makes <= known:
+                        known |= d.makes
+                        grew = True
+                else:
+                    rest.append(d)
+            pending = rest
+        for i in on:
+            known |= self.named[i]
+        need = _Need(frozenset(on), frozenset(known) | (_ENGINE_TABLES & self.tables))
+        self.closures[have] = need
+        return need
+
+
+def _sexp(text: str) -> list:
+    """One s-expression as nested lists of atoms (strings keep their quotes)."""
+    stack: list[list] = [[]]
+    for m in _ATOM.finditer(text):
+        tok = m.group()
+        if tok.startswith(";"):
+            continue
+        if tok == "(":
+            stack.append([])
+        elif tok == ")":
+            done = stack.pop()
+            stack[-1].append(done)
+        else:
+            stack[-1].append(tok)
+    return stack[-1][0] if stack[-1] else []
+
+
+_ATOM = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]|[^\s()";]+')
+
+
+def _heads(sx: object, tables: frozenset[str] | set[str]) -> set[str]:
+    """The tables `sx` looks up: the heads of its lists that are tables."""
+    out: set[str] = set()
+    todo = [sx]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, list):
+            if x and isinstance(x[0], str) and x[0] in tables:
+                out.add(x[0])
+            todo.extend(x)
+    return out
+
+
+def _names(text: str) -> set[str]:
+    """Every atom and string of `text` (what it may name: a table, also through `unstable-fn`)."""
+    return {a or b for a, b in _NAME.findall(text)}
+
+
+def _directions(i: int, sx: list, tables: set[str]) -> list[_Direction]:
+    """A rule's query/actions, a rewrite's left side (and conditions)/right side, and a
+    birewrite's both ways. What a side writes counts every table it names at all."""
+    head, *rest = sx
+    opts = {rest[k]: rest[k + 1] for k in range(2, len(rest) - 1) if isinstance(rest[k], str) and rest[k].startswith(":")}
+    when = opts.get(":when", [])
+
+    def writes(x: object) -> frozenset[str]:
+        flat: list[str] = []
+        todo = [x]
+        while todo:
+            y = todo.pop()
+            if isinstance(y, list):
+                todo.extend(y)
+            else:
+                flat.append(y.strip('"'))
+        return frozenset(t for t in flat if t in tables)
+
+    if head == "rule":
+        return [_Direction(i, frozenset(_heads(rest[0], tables)), writes(rest[1]))]
+    lhs, rhs = rest[0], rest[1]
+    cond = _heads(when, tables)
+    out = [_Direction(i, frozenset(_heads(lhs, tables) | cond), writes(rhs))]
+    if head == "birewrite":
+        out.append(_Direction(i, frozenset(_heads(rhs, tables) | cond), writes(lhs)))
     return out
 
 
