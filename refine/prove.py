@@ -92,7 +92,7 @@ class Engine:
 
     def _declare(self, need: _Need) -> bindings.EGraph:
         eg = bindings.EGraph()
-        self._run(self._decls.program(need), eg)
+        eg.run_program(*self._commands(self._decls.program(need), eg))
         return eg
 
     def _graph(self, need: _Need) -> bindings.EGraph:
@@ -159,11 +159,18 @@ class Engine:
         """The program's commands, parsed one top-level statement at a time: egglog's
         Python bindings give every span of a parse its own copy of the whole source text,
         so parsing a program at once costs its length times its size (1 GB of strings for
-        the declarations). Statements repeat across steps (canonical leaf names), so their
-        commands are kept."""
+        the declarations). The engine writes a statement a line: a line that is not a
+        whole statement fails to parse, and the program is then cut exactly."""
+        try:
+            return self._commands(program.split("\n"), eg)
+        except bindings.EggSmolError:
+            return self._commands(_statements(program), eg)
+
+    def _commands(self, statements: Iterable[str], eg: bindings.EGraph) -> list:
+        """Statements repeat across steps (canonical leaf names), so their commands are kept."""
         cache = self._parsed
         out: list = []
-        for st in _statements(program):
+        for st in statements:
             cmds = cache.get(st)
             if cmds is None:
                 cmds = eg.parse_program(st)
@@ -256,10 +263,9 @@ class Engine:
             return fired, self._run("(extract $__seq)", eg)[0]
         best, since = None, 0
         for _ in range(iterations):
-            ran = self._run("(run-schedule (saturate (run shapes)) (run))", eg)
-            report = ran[-1].report
+            ran = self._run("(run-schedule (saturate (run shapes)) (run))\n(extract $__seq)", eg)
+            report, out = ran[-2].report, ran[-1]
             fired.update({k: v for k, v in report.num_matches_per_rule.items() if v})
-            out = self._run("(extract $__seq)", eg)[0]
             if best is None or out.cost < best.cost:
                 best, since = out, 0
             else:
@@ -382,9 +388,8 @@ class _Declarations:
     def everything(self) -> _Need:
         return _Need(frozenset(range(len(self.rules))), self.tables)
 
-    def program(self, need: _Need) -> str:
-        return "\n".join(st for st, i, t in self.statements
-                         if (i is None or i in need.rules) and (t is None or t in need.tables))
+    def program(self, need: _Need) -> list[str]:
+        return [st for st, i, t in self.statements if (i is None or i in need.rules) and (t is None or t in need.tables)]
 
     def closure(self, program: str) -> _Need:
         """The rules that can fire on an e-graph holding `program` and the tables they and
