@@ -361,6 +361,7 @@ class _Declarations:
     tables: frozenset[str]  # every constructor, function and relation
     directions: list[_Direction]
     named: list[frozenset[str]]  # per rule, every table it names
+    waiting: dict[str, list[int]] = field(default_factory=dict)  # table -> directions that need it
     closures: dict[frozenset[str], _Need] = field(default_factory=dict)
 
     @classmethod
@@ -383,7 +384,11 @@ class _Declarations:
                 statements.append((st, None, None))
         directions = [d for i, sx in enumerate(parsed) for d in _directions(i, sx, tables)]
         named = [frozenset(_names(r) & tables) for r in rules]
-        return cls(statements, rules, frozenset(tables), directions, named)
+        waiting: dict[str, list[int]] = {}
+        for k, d in enumerate(directions):
+            for t in d.needs:
+                waiting.setdefault(t, []).append(k)
+        return cls(statements, rules, frozenset(tables), directions, named, waiting)
 
     def everything(self) -> _Need:
         return _Need(frozenset(range(len(self.rules))), self.tables)
@@ -398,22 +403,24 @@ class _Declarations:
         hit = self.closures.get(have)
         if hit is not None:
             return hit
+        # a worklist: each table, once known, counts down the needs of the rules waiting on it
         known = set(have)
+        todo = list(have)
+        left = [len(d.needs) for d in self.directions]
+        ready = [k for k, n in enumerate(left) if n == 0]
         on: set[int] = set()
-        pending = self.directions
-        grew = True
-        while grew:
-            grew = False
-            rest = []
-            for d in pending:
-                if d.needs <= known:
-                    on.add(d.rule)
-                    if not d.makes <= known:
-                        known |= d.makes
-                        grew = True
-                else:
-                    rest.append(d)
-            pending = rest
+        while ready or todo:
+            while ready:
+                d = self.directions[ready.pop()]
+                on.add(d.rule)
+                for t in d.makes - known:
+                    known.add(t)
+                    todo.append(t)
+            if todo:
+                for k in self.waiting.get(todo.pop(), ()):
+                    left[k] -= 1
+                    if left[k] == 0:
+                        ready.append(k)
         for i in on:
             known |= self.named[i]
         need = _Need(frozenset(on), frozenset(known) | (_ENGINE_TABLES & self.tables))
