@@ -354,7 +354,8 @@ class _Declarations:
     can ever fill are those its program names and those the actions of rules that can
     match write, a least fixpoint (`closure`). Every other rule never fires, and every
     other table stays empty, in that e-graph as in one declaring everything; what is
-    declared keeps its order."""
+    declared keeps its order. Tables a declaration names (a merge calling another) count
+    as written with it, and tables other top-level statements name as always written."""
 
     statements: list[tuple[str, int | None, str | None]]  # (text, its rule's index, the table it declares)
     rules: list[str]
@@ -362,6 +363,8 @@ class _Declarations:
     directions: list[_Direction]
     named: list[frozenset[str]]  # per rule, every table it names
     waiting: dict[str, list[int]] = field(default_factory=dict)  # table -> directions that need it
+    deps: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> other tables its declaration names
+    always: frozenset[str] = frozenset()  # tables named by top-level statements other than rules and declarations
     closures: dict[frozenset[str], _Need] = field(default_factory=dict)
 
     @classmethod
@@ -370,6 +373,7 @@ class _Declarations:
         rules: list[str] = []
         parsed = []
         tables: set[str] = set()
+        others: list[str] = []
         for st in _statements(text):
             sx = _sexp(st)
             head = sx[0] if sx else None
@@ -382,13 +386,17 @@ class _Declarations:
                 tables.add(sx[1])
             else:
                 statements.append((st, None, None))
+                others.append(st)
+        deps = {t: frozenset(_names(st) & tables) - {t} for st, _, t in statements if t is not None}
+        always = frozenset(x for st in others for x in _names(st) & tables)
         directions = [d for i, sx in enumerate(parsed) for d in _directions(i, sx, tables)]
         named = [frozenset(_names(r) & tables) for r in rules]
         waiting: dict[str, list[int]] = {}
         for k, d in enumerate(directions):
             for t in d.needs:
                 waiting.setdefault(t, []).append(k)
-        return cls(statements, rules, frozenset(tables), directions, named, waiting)
+        return cls(statements, rules, frozenset(tables), directions, named, waiting,
+                   {t: d for t, d in deps.items() if d}, always)
 
     def everything(self) -> _Need:
         return _Need(frozenset(range(len(self.rules))), self.tables)
@@ -404,8 +412,8 @@ class _Declarations:
         if hit is not None:
             return hit
         # a worklist: each table, once known, counts down the needs of the rules waiting on it
-        known = set(have)
-        todo = list(have)
+        known = set(have | self.always)
+        todo = list(known)
         left = [len(d.needs) for d in self.directions]
         ready = [k for k, n in enumerate(left) if n == 0]
         on: set[int] = set()
@@ -417,13 +425,23 @@ class _Declarations:
                     known.add(t)
                     todo.append(t)
             if todo:
-                for k in self.waiting.get(todo.pop(), ()):
+                t = todo.pop()
+                for u in self.deps.get(t, frozenset()) - known:
+                    known.add(u)
+                    todo.append(u)
+                for k in self.waiting.get(t, ()):
                     left[k] -= 1
                     if left[k] == 0:
                         ready.append(k)
         for i in on:
             known |= self.named[i]
-        need = _Need(frozenset(on), frozenset(known) | (_ENGINE_TABLES & self.tables))
+        known |= _ENGINE_TABLES & self.tables
+        todo = list(known)
+        while todo:  # what the declared tables' declarations name
+            for u in self.deps.get(todo.pop(), frozenset()) - known:
+                known.add(u)
+                todo.append(u)
+        need = _Need(frozenset(on), frozenset(known))
         self.closures[have] = need
         return need
 
