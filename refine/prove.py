@@ -17,8 +17,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from egglog import bindings
-
+from refine.egg import bindings
 from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
 from refine.opset import ATTR_SORTS, COMPUTE, LEAF, LEAF_OUT, Registry, compile_text, dims_prelude
