@@ -5,7 +5,6 @@ from __future__ import annotations
 from fractions import Fraction
 
 from refine.expr import Term
-from refine.factor import wrong_factor
 from refine.ir import Dist, Graph, Node, tensor_name
 from refine.normalize import lower
 from refine.opset import Registry
@@ -150,6 +149,8 @@ def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[Outp
     """`refine.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
     it, its source line, what the edit was, what was off), or None. A rank node the relations prove equal
     to a sequential tensor is right, so its line is not edited."""
+    from refine.factor import wrong_factor  # evaluates rank programs: imports torch, only here
+
     find = prog.same.find
     renames: dict[int, dict[str, str]] = {}
 

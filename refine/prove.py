@@ -19,8 +19,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from egglog import bindings
-
+from refine.egg import bindings
 from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
 from refine.ir import Graph, Node
 from refine.opset import (
@@ -64,6 +63,11 @@ class ShapeConflict(RuntimeError):
     """An e-class with two different shapes (Engine.audit_shapes)."""
 
 
+PARSE_CACHE = 50_000  # parsed statements kept (Engine._parse)
+GRAPHS = 48  # e-graphs kept, each declaring the rules some steps can use (Engine._graph)
+GRAPH_SLACK = 32  # a step runs on a kept e-graph with up to twice its rules and this many more
+
+
 @dataclass
 class StepResult:
     best: Term
@@ -95,8 +99,45 @@ class Engine:
         self.core = {n: op for n, op in reg.ops.items() if op.core}
         self.sorts = {n: tuple(ATTR_SORTS[k.rstrip("?")] for _, k in op.attrs) for n, op in self.core.items()}
         self.clean_ops = CLEAN_OPS | {n for n, op in self.core.items() if op.clean}
-        self.eg = bindings.EGraph()
-        self._run(self.declarations())
+        self._parsed: dict[str, list] = {}
+        self._full: bindings.EGraph | None = None
+        decls = self.declarations()
+        self._decls = _Declarations.of(_record_shapes(decls) if self.audit_shapes else decls)
+        # e-graphs by the rules and tables they declare, least recently used first
+        self._graphs: dict[_Need, bindings.EGraph] = {}
+
+    @property
+    def eg(self) -> bindings.EGraph:
+        """An e-graph with every declaration and rule (steps run on one with the rules they
+        can use, see _graph)."""
+        if self._full is None:
+            self._full = self._declare(self._decls.everything())
+        return self._full
+
+    def _declare(self, need: _Need) -> bindings.EGraph:
+        eg = bindings.EGraph()
+        eg.run_program(*self._commands(self._decls.program(need), eg))
+        return eg
+
+    def _graph(self, need: _Need) -> bindings.EGraph:
+        """An e-graph declaring what `need` says and maybe a little more. An e-graph is
+        cloned at each step's push and dropped at its pop, at a cost that grows with the
+        rules and tables declared (most of a step's time with all of them); building one
+        costs a few pushes, so a kept one with up to twice the rules is taken."""
+        best: _Need | None = None
+        for key in self._graphs:
+            if need.within(key) and len(key.rules) <= 2 * len(need.rules) + GRAPH_SLACK and \
+                    (best is None or key.size < best.size):
+                best = key
+        if best is None:
+            if len(self._graphs) >= GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+            best = need
+            eg = self._declare(need)
+        else:
+            eg = self._graphs.pop(best)
+        self._graphs[best] = eg
+        return eg
 
     def declarations(self) -> str:
         lines = [
@@ -136,13 +177,39 @@ class Engine:
         prelude = [dims_prelude()] if self.symbolic else []
         return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
 
-    def _run(self, program: str) -> list:
+    def _run(self, program: str, eg: bindings.EGraph | None = None) -> list:
+        eg = self.eg if eg is None else eg
         if self.audit_shapes:
             program = _record_shapes(program)
         try:
-            return self.eg.run_program(*self.eg.parse_program(program))
+            return eg.run_program(*self._parse(program, eg))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
             raise RuntimeError(f"egglog rejected the program: {e}\n--- program ---\n{program[:4000]}") from e
+
+    def _parse(self, program: str, eg: bindings.EGraph) -> list:
+        """The program's commands, parsed one top-level statement at a time: egglog's
+        Python bindings give every span of a parse its own copy of the whole source text,
+        so parsing a program at once costs its length times its size (1 GB of strings for
+        the declarations). The engine writes a statement a line: a line that is not a
+        whole statement fails to parse, and the program is then cut exactly."""
+        try:
+            return self._commands(program.split("\n"), eg)
+        except bindings.EggSmolError:
+            return self._commands(_statements(program), eg)
+
+    def _commands(self, statements: Iterable[str], eg: bindings.EGraph) -> list:
+        """Statements repeat across steps (canonical leaf names), so their commands are kept."""
+        cache = self._parsed
+        out: list = []
+        for st in statements:
+            cmds = cache.get(st)
+            if cmds is None:
+                cmds = eg.parse_program(st)
+                if len(cache) >= PARSE_CACHE:
+                    cache.pop(next(iter(cache)))
+                cache[st] = cmds
+            out.extend(cmds)
+        return out
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
              checks: Iterable[Term] = (), iterations: int = 0) -> StepResult:
@@ -194,53 +261,56 @@ class Engine:
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
-        self._run("(push)")
+        # the rules whose queries can match in this e-graph (_Declarations.closure): any
+        # other never fires, so the step's e-graph and result are the same without them
+        told = program + "\n" + "\n".join(checks)
+        eg = self._graph(self._decls.closure(_record_shapes(told) if self.audit_shapes else told))
+        self._run("(push)", eg)
         try:
-            self._run(program)
-            fired, best_out = self._saturate(iterations, early=EARLY_STOP and not checks)
-            out = self._run("(print-function Found 100000)\n(print-function Same 100000)")
+            self._run(program, eg)
+            fired, best_out = self._saturate(iterations, early=EARLY_STOP and not checks, eg=eg)
+            out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
             found = re.findall(r'\(Found "([^"]*)"\)', str(out[0]))
             same = tuple(re.findall(r'\(Same "([^"]*)" "([^"]*)"\)', str(out[1])))
             if self.audit_shapes:
-                self._audit(program)
+                self._audit(program, eg)
             results = []
             for ce in checks:
                 try:
-                    self._run(f"(check (= $__seq {ce}))")
+                    self._run(f"(check (= $__seq {ce}))", eg)
                     results.append(True)
                 except RuntimeError:
                     results.append(False)
         finally:
-            self._run("(pop)")
+            self._run("(pop)", eg)
         return _Solved(best, cost, found, tuple(results), fired, same)
 
-    def _audit(self, program: str) -> None:
+    def _audit(self, program: str, eg: bindings.EGraph) -> None:
         """SHAPE_AUDIT: raise if the step's e-graph holds a class with two shapes, writing
         the step's program (over canonical leaf names) to a file the message names."""
-        self._run("(run-schedule (saturate (run shapes)) (run audit))")
-        conflicts = str(self._run("(print-function ShapeConflict 20)")[0]).strip()
+        self._run("(run-schedule (saturate (run shapes)) (run audit))", eg)
+        conflicts = str(self._run("(print-function ShapeConflict 20)", eg)[0]).strip()
         if conflicts.strip("()\n "):
             with tempfile.NamedTemporaryFile("w", suffix=".egg", prefix="shape-conflict-", delete=False) as f:
                 f.write(program)
             raise ShapeConflict(f"an e-class holds two shapes (a wrong shape rule or a false equality); "
                                 f"the step's program is {f.name}:\n{conflicts}")
 
-    def _saturate(self, iterations: int, early: bool) -> tuple[Counter[str], bindings.ExtractBest]:
+    def _saturate(self, iterations: int, early: bool, eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest]:
         """Run up to `iterations` rule iterations (see EARLY_STOP); the rules' matches and
         the target's best term."""
         fired: Counter[str] = Counter()
         if not early:
-            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))")
+            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))", eg)
             fired.update({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
-            return fired, self._run("(extract $__seq)")[0]
+            return fired, self._run("(extract $__seq)", eg)[0]
         best, since = None, 0
         for _ in range(iterations):
-            ran = self._run("(run-schedule (saturate (run shapes)) (run))")
-            report = ran[-1].report
+            ran = self._run("(run-schedule (saturate (run shapes)) (run))\n(extract $__seq)", eg)
+            report, out = ran[-2].report, ran[-1]
             fired.update({k: v for k, v in report.num_matches_per_rule.items() if v})
-            out = self._run("(extract $__seq)")[0]
             if best is None or out.cost < best.cost:
                 best, since = out, 0
             else:
@@ -258,6 +328,233 @@ class Engine:
         its users then need far fewer rewrites: such a step runs the whole bound."""
         heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
         return heads <= _PLAIN_HEADS
+
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
+_GAP = re.compile(r"(?:\s|;[^\n]*)*")
+
+
+def _statements(text: str) -> list[str]:
+    """`text` cut into its top-level parenthesised statements; the whole text as one when
+    anything else stands between them (egglog then reports it)."""
+    out: list[str] = []
+    depth, start, end = 0, 0, 0
+    for m in _TOKEN.finditer(text):
+        tok = m.group()
+        if tok == "(":
+            if depth == 0:
+                if not _GAP.fullmatch(text, end, m.start()):
+                    return [text]
+                start = m.start()
+            depth += 1
+        elif tok == ")":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:m.end()])
+                end = m.end()
+            elif depth < 0:
+                return [text]
+    if depth or not _GAP.fullmatch(text, end):
+        return [text]
+    return out
+
+
+_RULE_HEADS = ("rule", "rewrite", "birewrite")
+_NAME = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s()";]+)')
+
+
+@dataclass(frozen=True)
+class _Direction:
+    rule: int
+    needs: frozenset[str]  # the tables a match reads: a rule never fires while one is empty
+    makes: frozenset[str]  # the tables its actions may add to
+
+
+@dataclass(frozen=True)
+class _Need:
+    """What a step's e-graph must declare: the rules that can fire in it and every table
+    the program, those rules and the engine's own commands name."""
+
+    rules: frozenset[int]
+    tables: frozenset[str]
+
+    def within(self, other: _Need) -> bool:
+        return self.rules <= other.rules and self.tables <= other.tables
+
+    @property
+    def size(self) -> int:
+        return len(self.rules) + len(self.tables)
+
+
+_ENGINE_TABLES = frozenset({"Found", "Same", "Mark", "D", "Out", OPAQUE, "shape", "ShapeConflict"})  # named by Engine itself
+
+
+@dataclass
+class _Declarations:
+    """The engine's declarations, cut into statements, and what each rule reads and
+    writes, to run a step with only the rules that can fire in it.
+
+    Why that changes nothing: a rule's query looks up every table at the head of one of
+    its atoms, so it has no match while one of them is empty; the tables a step's e-graph
+    can ever fill are those its program names and those the actions of rules that can
+    match write, a least fixpoint (`closure`). Every other rule never fires, and every
+    other table stays empty, in that e-graph as in one declaring everything; what is
+    declared keeps its order. Tables a declaration names (a merge calling another) count
+    as written with it, and tables other top-level statements name as always written."""
+
+    statements: list[tuple[str, int | None, str | None]]  # (text, its rule's index, the table it declares)
+    rules: list[str]
+    tables: frozenset[str]  # every constructor, function and relation
+    directions: list[_Direction]
+    named: list[frozenset[str]]  # per rule, every table it names
+    waiting: dict[str, list[int]] = field(default_factory=dict)  # table -> directions that need it
+    deps: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> other tables its declaration names
+    always: frozenset[str] = frozenset()  # tables named by top-level statements other than rules and declarations
+    closures: dict[frozenset[str], _Need] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, text: str) -> _Declarations:
+        statements: list[tuple[str, int | None, str | None]] = []
+        rules: list[str] = []
+        parsed = []
+        tables: set[str] = set()
+        others: list[str] = []
+        for st in _statements(text):
+            sx = _sexp(st)
+            head = sx[0] if sx else None
+            if head in _RULE_HEADS:
+                statements.append((st, len(rules), None))
+                rules.append(st)
+                parsed.append(sx)
+            elif head in ("constructor", "function", "relation"):
+                statements.append((st, None, sx[1]))
+                tables.add(sx[1])
+            else:
+                statements.append((st, None, None))
+                others.append(st)
+        deps = {t: frozenset(_names(st) & tables) - {t} for st, _, t in statements if t is not None}
+        always = frozenset(x for st in others for x in _names(st) & tables)
+        directions = [d for i, sx in enumerate(parsed) for d in _directions(i, sx, tables)]
+        named = [frozenset(_names(r) & tables) for r in rules]
+        waiting: dict[str, list[int]] = {}
+        for k, d in enumerate(directions):
+            for t in d.needs:
+                waiting.setdefault(t, []).append(k)
+        return cls(statements, rules, frozenset(tables), directions, named, waiting,
+                   {t: d for t, d in deps.items() if d}, always)
+
+    def everything(self) -> _Need:
+        return _Need(frozenset(range(len(self.rules))), self.tables)
+
+    def program(self, need: _Need) -> list[str]:
+        return [st for st, i, t in self.statements if (i is None or i in need.rules) and (t is None or t in need.tables)]
+
+    def closure(self, program: str) -> _Need:
+        """The rules that can fire on an e-graph holding `program` and the tables they and
+        it name."""
+        have = frozenset(_names(program) & self.tables)
+        hit = self.closures.get(have)
+        if hit is not None:
+            return hit
+        # a worklist: each table, once known, counts down the needs of the rules waiting on it
+        known = set(have | self.always)
+        todo = list(known)
+        left = [len(d.needs) for d in self.directions]
+        ready = [k for k, n in enumerate(left) if n == 0]
+        on: set[int] = set()
+        while ready or todo:
+            while ready:
+                d = self.directions[ready.pop()]
+                on.add(d.rule)
+                for t in d.makes - known:
+                    known.add(t)
+                    todo.append(t)
+            if todo:
+                t = todo.pop()
+                for u in self.deps.get(t, frozenset()) - known:
+                    known.add(u)
+                    todo.append(u)
+                for k in self.waiting.get(t, ()):
+                    left[k] -= 1
+                    if left[k] == 0:
+                        ready.append(k)
+        for i in on:
+            known |= self.named[i]
+        known |= _ENGINE_TABLES & self.tables
+        todo = list(known)
+        while todo:  # what the declared tables' declarations name
+            for u in self.deps.get(todo.pop(), frozenset()) - known:
+                known.add(u)
+                todo.append(u)
+        need = _Need(frozenset(on), frozenset(known))
+        self.closures[have] = need
+        return need
+
+
+def _sexp(text: str) -> list:
+    """One s-expression as nested lists of atoms (strings keep their quotes)."""
+    stack: list[list] = [[]]
+    for m in _ATOM.finditer(text):
+        tok = m.group()
+        if tok.startswith(";"):
+            continue
+        if tok == "(":
+            stack.append([])
+        elif tok == ")":
+            done = stack.pop()
+            stack[-1].append(done)
+        else:
+            stack[-1].append(tok)
+    return stack[-1][0] if stack[-1] else []
+
+
+_ATOM = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]|[^\s()";]+')
+
+
+def _heads(sx: object, tables: frozenset[str] | set[str]) -> set[str]:
+    """The tables `sx` looks up: the heads of its lists that are tables."""
+    out: set[str] = set()
+    todo = [sx]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, list):
+            if x and isinstance(x[0], str) and x[0] in tables:
+                out.add(x[0])
+            todo.extend(x)
+    return out
+
+
+def _names(text: str) -> set[str]:
+    """Every atom and string of `text` (what it may name: a table, also through `unstable-fn`)."""
+    return {a or b for a, b in _NAME.findall(text)}
+
+
+def _directions(i: int, sx: list, tables: set[str]) -> list[_Direction]:
+    """A rule's query/actions, a rewrite's left side (and conditions)/right side, and a
+    birewrite's both ways. What a side writes counts every table it names at all."""
+    head, *rest = sx
+    opts = {rest[k]: rest[k + 1] for k in range(2, len(rest) - 1) if isinstance(rest[k], str) and rest[k].startswith(":")}
+    when = opts.get(":when", [])
+
+    def writes(x: object) -> frozenset[str]:
+        flat: list[str] = []
+        todo = [x]
+        while todo:
+            y = todo.pop()
+            if isinstance(y, list):
+                todo.extend(y)
+            else:
+                flat.append(y.strip('"'))
+        return frozenset(t for t in flat if t in tables)
+
+    if head == "rule":
+        return [_Direction(i, frozenset(_heads(rest[0], tables)), writes(rest[1]))]
+    lhs, rhs = rest[0], rest[1]
+    cond = _heads(when, tables)
+    out = [_Direction(i, frozenset(_heads(lhs, tables) | cond), writes(rhs))]
+    if head == "birewrite":
+        out.append(_Direction(i, frozenset(_heads(rhs, tables) | cond), writes(lhs)))
+    return out
 
 
 _HEAD = re.compile(r"\((\S+)")

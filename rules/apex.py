@@ -29,10 +29,8 @@ import math
 from fractions import Fraction
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from refine.ir import Arg, TensorType
+from refine.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 

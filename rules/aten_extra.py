@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from refine.ir import Arg, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import Op, ShapeError
 

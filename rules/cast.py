@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from refine.ir import Arg, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-import torch
-
 from refine import dims
 from refine.expr import Term, cat, nary, scale
 from refine.ir import TensorType
+from refine.lazy import torch
 from refine.opset import Op, ShapeError
 
 REDUCE_OPS = ("sum", "avg", "max")

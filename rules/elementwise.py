@@ -12,10 +12,8 @@ import math
 from fractions import Fraction
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from refine.ir import Arg, Node, TensorType
+from refine.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
 

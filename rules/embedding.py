@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from refine.ir import TensorType
+from refine.lazy import torch
 from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 

@@ -26,9 +26,8 @@ import math
 import string
 from typing import Any
 
-import torch
-
 from refine.ir import Arg, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import Op, ShapeError
 

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from refine import dims
 from refine.ir import Arg, Node, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
 

@@ -24,10 +24,9 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-import torch
-
 from refine.expr import Term
 from refine.ir import TensorType
+from refine.lazy import torch
 from refine.opset import Op, Rule, ShapeError, rule
 
 _MASK = "(= m (logical_or_t (lt_t t (full lo sh)) (ge_t t (full hi sh))))"

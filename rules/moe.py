@@ -36,10 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from refine import dims
 from refine.ir import Arg, Node, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
 

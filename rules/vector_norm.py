@@ -20,10 +20,9 @@ import math
 from fractions import Fraction
 from typing import Any
 
-import torch
-
 from refine.expr import Term
 from refine.ir import Arg, TensorType
+from refine.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
 

@@ -41,11 +41,9 @@ import math
 from fractions import Fraction
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from refine import dims
 from refine.ir import Arg, TensorType
+from refine.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 
