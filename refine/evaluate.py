@@ -557,6 +557,33 @@ def define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int
     from refine.relate import placed_terms  # relate is imported lazily here, as in audit
 
     by_leaf = {tensor_name(d.rank, d.input): d for d in dist.defines}
+    # inputs no relation covers and no rank holds under their name (a KV cache the checked
+    # output never reads) need no values here
+    # only what the defines touch is drawn: the sequential inputs they read, the relations
+    # that read a defined rank input, and those relations' inputs (a vocab-sized weight
+    # no define touches would cost gigabytes here)
+    read = {x for d in dist.defines for x in d.term.leaves()}
+    rels = []
+    for rel in dist.relations:
+        local = rel.local or rel.source
+        leaves = set().union(*(t.leaves() for t in (rel.layout, *rel.replicas))) if rel.layout is not None else \
+            {tensor_name(r, local) for r in dist.ranks}
+        if rel.source in read or leaves & set(by_leaf):
+            rels.append(rel)
+    names = {r.source for r in rels} | read
+    rank_in: dict[int, set[str]] = {r: {d.input for d in dist.defines if d.rank == r} for r in dist.ranks}
+    for rel in rels:
+        if rel.layout is not None:
+            for x in set().union(*(t.leaves() for t in (rel.layout, *rel.replicas))):
+                base, _, r = x.rpartition("@")
+                rank_in[int(r)].add(base)
+        else:
+            for r in dist.ranks:
+                rank_in[r].add(rel.local or rel.source)
+    seq = Graph([i for i in seq.inputs if i.name in names], [], [], seq.name, dict(seq.symbols))
+    ranks = {r: Graph([i for i in g.inputs if i.name in rank_in[r]], [], [], g.name, dict(g.symbols))
+             for r, g in dist.ranks.items()}
+    dist = Dist(dist.mesh, ranks, rels, [], list(dist.defines))
     for seed in seeds:
         seq_vals, rank_vals = random_inputs(seq, dist, seed, registry)
         flat = {tensor_name(r, k): v for r, vals in rank_vals.items() for k, v in vals.items()}
