@@ -30,7 +30,17 @@ import torch
 
 from refine import dims
 from refine.expr import LEAF_OPS, OPAQUE, Term
-from refine.ir import Dist, Graph, Mesh, Placement, Relation, TensorType, case_symbols, tensor_name
+from refine.ir import (
+    Define,
+    Dist,
+    Graph,
+    Mesh,
+    Placement,
+    Relation,
+    TensorType,
+    case_symbols,
+    tensor_name,
+)
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
 from refine.replica import join_replicas
@@ -529,11 +539,72 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
                 raise EvalError(f"rank {r}: the piece of {rel.source!r} has shape {list(piece.shape)}, "
                                 f"input {local!r} is declared {list(want.shape)}")
             rank_vals[r][local] = canon(piece, want.dtype)
+    for d in dist.defines:  # defined rank inputs: from the sequential values just drawn
+        want = rank_types[d.rank][d.input]
+        rank_vals[d.rank][d.input] = canon(eval_term(d.term, registry, seq_vals), want.dtype)
     for r, types in rank_types.items():  # rank-only inputs
         for name, typ in types.items():
             if name not in rank_vals[r]:
                 rank_vals[r][name] = _random(typ, gen, int_bound if int_bound is not None else DEFAULT_INT_BOUND)
     return seq_vals, rank_vals
+
+
+def define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int, ...] = (0,)
+                    ) -> tuple[Define, str] | None:
+    """A define that contradicts the relations, and how: the rank inputs it sets, in full,
+    from random sequential inputs, must leave every relation's value (every replica of
+    it) what it was drawn to be. None when every define agrees."""
+    from refine.relate import placed_terms  # relate is imported lazily here, as in audit
+
+    by_leaf = {tensor_name(d.rank, d.input): d for d in dist.defines}
+    # inputs no relation covers and no rank holds under their name (a KV cache the checked
+    # output never reads) need no values here
+    # only what the defines touch is drawn: the sequential inputs they read, the relations
+    # that read a defined rank input, and those relations' inputs (a vocab-sized weight
+    # no define touches would cost gigabytes here)
+    read = {x for d in dist.defines for x in d.term.leaves()}
+    rels = []
+    for rel in dist.relations:
+        local = rel.local or rel.source
+        leaves = set().union(*(t.leaves() for t in (rel.layout, *rel.replicas))) if rel.layout is not None else \
+            {tensor_name(r, local) for r in dist.ranks}
+        if rel.source in read or leaves & set(by_leaf):
+            rels.append(rel)
+    names = {r.source for r in rels} | read
+    rank_in: dict[int, set[str]] = {r: {d.input for d in dist.defines if d.rank == r} for r in dist.ranks}
+    for rel in rels:
+        if rel.layout is not None:
+            for x in set().union(*(t.leaves() for t in (rel.layout, *rel.replicas))):
+                base, _, r = x.rpartition("@")
+                rank_in[int(r)].add(base)
+        else:
+            for r in dist.ranks:
+                rank_in[r].add(rel.local or rel.source)
+    seq = Graph([i for i in seq.inputs if i.name in names], [], [], seq.name, dict(seq.symbols))
+    ranks = {r: Graph([i for i in g.inputs if i.name in rank_in[r]], [], [], g.name, dict(g.symbols))
+             for r, g in dist.ranks.items()}
+    dist = Dist(dist.mesh, ranks, rels, [], list(dist.defines))
+    for seed in seeds:
+        seq_vals, rank_vals = random_inputs(seq, dist, seed, registry)
+        flat = {tensor_name(r, k): v for r, vals in rank_vals.items() for k, v in vals.items()}
+        for rel in dist.relations:
+            if rel.layout is not None:
+                terms = [rel.layout, *rel.replicas]
+            else:
+                assert rel.placements is not None
+                local = rel.local or rel.source
+                terms = placed_terms(lambda r, local=local: tensor_name(r, local), rel.placements, dist.mesh)
+            for t in terms:
+                hit = sorted(x for x in t.leaves() if x in by_leaf)
+                if not hit:
+                    continue
+                got, want = eval_term(t, registry, flat), canon(seq_vals[rel.source])
+                # layouts and defines mostly move values (cat, slice, zeros): equal bits, the
+                # cheap test first (a vocab-sized weight takes seconds to compare closely)
+                if tuple(got.shape) != tuple(want.shape) or not (torch.equal(got, want) or close(got, want)):
+                    return by_leaf[hit[0]], (f"the relation for {rel.source!r} ({rel.where or 'implicit'}) reads "
+                                             f"{', '.join(hit)} where the define gives other values")
+    return None
 
 
 # ---------------------------------------------------------------------------------------
@@ -682,7 +753,7 @@ def instantiate(seq: Graph, dist: Dist, values: Mapping[str, int]) -> tuple[Grap
     rels = [replace(r, layout=instantiate_term(r.layout, values)) if r.layout is not None else r
             for r in dist.relations]
     ranks = {r: instantiate_graph(g, values) for r, g in dist.ranks.items()}
-    return instantiate_graph(seq, values), Dist(dist.mesh, ranks, rels, list(dist.expectations))
+    return instantiate_graph(seq, values), Dist(dist.mesh, ranks, rels, list(dist.expectations), list(dist.defines))
 
 
 def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog: Any, cores: Mapping[int, Graph],

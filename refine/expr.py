@@ -272,7 +272,9 @@ class LayoutSyntaxError(ValueError):
     pass
 
 
-def parse_layout(text: str) -> Term:
+def parse_layout(text: str, sequential: bool = False) -> Term:
+    """A relation expression over rank tensors `name@rank`; with `sequential`, a define's
+    expression over sequential inputs (bare names) that may also hold `zeros([..])`."""
     toks: list[str] = []
     pos = 0
     text = text.strip()
@@ -327,8 +329,12 @@ def parse_layout(text: str) -> Term:
     def expr() -> Term:
         tok = take()
         if "@" in tok:
+            if sequential:
+                raise LayoutSyntaxError(f"{tok!r}: a define reads sequential inputs (names without @)")
             return leaf(tok)
         name = tok
+        if sequential and peek() != "(" and re.fullmatch(r"[A-Za-z_]\w*", tok):
+            return leaf(tok)
         take("(")
         pos_args: list[Any] = []
         kw: dict[str, Any] = {}
@@ -342,7 +348,7 @@ def parse_layout(text: str) -> Term:
             if peek() == ",":
                 take(",")
         take(")")
-        return _layout_term(name, pos_args, kw)
+        return _layout_term(name, pos_args, kw, sequential)
 
     t = expr()
     if i != len(toks):
@@ -350,7 +356,7 @@ def parse_layout(text: str) -> Term:
     return t
 
 
-def _layout_term(name: str, args: list[Any], kw: dict[str, Any]) -> Term:
+def _layout_term(name: str, args: list[Any], kw: dict[str, Any], sequential: bool = False) -> Term:
     """A relation-language call, with its arguments checked: nothing is dropped silently."""
     terms = [a for a in args if isinstance(a, Term)]
     rest = [a for a in args if not isinstance(a, Term)]
@@ -407,4 +413,10 @@ def _layout_term(name: str, args: list[Any], kw: dict[str, Any]) -> Term:
     if name == "transpose":
         i, j = need(1, ("dim0", "dim1"))
         return Term("transpose", (terms[0],), (integer(i, "dim0"), integer(j, "dim1")))
-    raise LayoutSyntaxError(f"{name!r} is not in the relation language (cat, slice, sum, max, scale, view, transpose)")
+    if name == "zeros" and sequential:
+        (shape,) = need(0, ("shape",))
+        if not isinstance(shape, tuple) or any(d < 0 for d in shape):
+            raise LayoutSyntaxError(f"zeros: the shape must be a list like [4, 2], got {shape!r}")
+        return Term("full", (), (0.0, shape))
+    extra = ", zeros" if sequential else ""
+    raise LayoutSyntaxError(f"{name!r} is not in the relation language (cat, slice, sum, max, scale, view, transpose{extra})")

@@ -19,6 +19,7 @@ from refine import dims
 from refine.expr import LayoutSyntaxError, parse_layout
 from refine.ir import (
     DTYPES,
+    Define,
     Dist,
     Expectation,
     Graph,
@@ -51,6 +52,7 @@ FIELDS = {
     "axis": ("name", "size"),
     "rank": ("rank", "graph"),
     "relation": ("from", "input", "placements", "layout", "guessed"),
+    "define": ("define", "as"),
     "expectation": ("output", "local", "placements", "layout"),
 }
 
@@ -637,8 +639,13 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     seq_inputs = {i.name: i for i in seq.inputs}
     relations: list[Relation] = []
     related: dict[str, str] = {}
+    defines: list[Define] = []
+    defined: dict[tuple[int, str], str] = {}
     for i, rel in enumerate(c.get(doc, "relations", "$", list, [])):
         at = f"$.relations[{i}]"
+        if isinstance(rel, dict) and "define" in rel:
+            defines.append(_define(c, rel, at, ranks, seq, registry, defined))
+            continue
         c.fields(rel, at, "relation")
         src = _once(c, rel, "from", at, seq_inputs, related, "relation", "an input")
         want = seq_inputs[src].type.shape
@@ -706,7 +713,73 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             raise c.fail(f"{at}.placements", f"rank output {local!r} placed [{', '.join(map(str, pl))}] makes shape "
                                              f"{list(got)}, but the sequential output {out!r} has {list(want)}")
         expectations.append(Expectation(out, local, pl, where=at))
-    return Dist(mesh, ranks, relations, expectations)
+    dist = Dist(mesh, ranks, relations, expectations, defines)
+    if defines:
+        _check_defines(c, seq, dist, registry)
+    return dist
+
+
+def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq: Graph, registry: Registry,
+            defined: dict[tuple[int, str], str]) -> Define:
+    """`{"define": "name@rank", "as": "<expression over sequential inputs>"}`: the rank input
+    in full, from sequential inputs (zero padding, copies of a head)."""
+    c.fields(rel, at, "define")
+    target = c.get(rel, "define", at, str)
+    name, _, r = target.rpartition("@")
+    if not name or not r.isdigit():
+        raise c.fail(f"{at}.define", f"expected a rank input name@rank, got {target!r}")
+    rank = int(r)
+    if rank not in ranks:
+        raise c.fail(f"{at}.define", f"{target!r}: there is no rank {rank} (the mesh has {len(ranks)} ranks)")
+    if name not in {x.name for x in ranks[rank].inputs}:
+        raise c.fail(f"{at}.define", f"{target!r} is not an input of rank {rank}")
+    if (rank, name) in defined:
+        raise c.fail(f"{at}.define", f"{target!r} is defined twice (also at {defined[rank, name]})")
+    defined[rank, name] = at
+    text = c.get(rel, "as", at, str)
+    try:
+        term = parse_layout(text, sequential=True)
+    except LayoutSyntaxError as e:
+        raise c.fail(f"{at}.as", f"syntax error in define {text!r}: {e}") from None
+    except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
+        raise c.fail(f"{at}.as", f"syntax error in define {text!r} ({type(e).__name__}: {e})") from None
+    seq_types = {x.name: x.type for x in seq.inputs}
+    for leaf in sorted(term.leaves()):
+        if leaf not in seq_types:
+            raise c.fail(f"{at}.as", f"{leaf!r} is not an input of the sequential graph")
+    want = ranks[rank].type_of(name)
+    if any(not isinstance(d, int) for d in want.shape) or \
+            any(not isinstance(d, int) for x in term.leaves() for d in seq_types[x].shape):
+        raise c.fail(f"{at}.as", "a define takes concrete shapes only (no symbolic sizes)")
+
+    def shape(t: Any) -> TensorType:
+        if t.op == "D":
+            return seq_types[t.attrs[0]]
+        op = registry.ops[t.op]
+        attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
+        return op.shape([shape(a) for a in t.args], attrs)
+
+    try:
+        got = shape(term)
+    except Exception as e:  # ShapeError, or a shape rule meeting a term it cannot take
+        raise c.fail(f"{at}.as", f"the define of {target!r} is ill-shaped: {e}") from None
+    if tuple(got.shape) != tuple(want.shape):
+        raise c.fail(f"{at}.as", f"the define of {target!r} makes shape {list(got.shape)}, "
+                                 f"but the rank input has {list(want.shape)}")
+    return Define(rank, name, term, at)
+
+
+def _check_defines(c: _Ctx, seq: Graph, dist: Dist, registry: Registry) -> None:
+    """Defines must agree with the relations: with random sequential inputs and rank inputs
+    that satisfy the relations, each defined rank input set from its define must leave
+    every relation's value unchanged (a define that says a region is zero, or a copy of
+    another head, where a relation reads real data from it, is refused)."""
+    from refine.evaluate import define_conflict  # evaluate imports this module
+
+    bad = define_conflict(seq, dist, registry)
+    if bad is not None:
+        d, why = bad
+        raise c.fail(f"{d.where}.as", f"the define of {d.input}@{d.rank} contradicts the relations: {why}")
 
 
 def _once(c: _Ctx, obj: dict[str, Any], key: str, at: str, known: dict[str, Any], seen: dict[str, str],

@@ -174,12 +174,26 @@ class Mesh:
         return r
 
 
+@dataclass(frozen=True)
+class Define:
+    """A rank input given in full by an expression over sequential inputs (`define`): a
+    zero-padded shard `cat(slice(w, 1, 1920, 2048), zeros([2048, 256]), dim=1)`, or copies
+    of a KV head. It says what relations cannot: relations give sequential inputs over
+    rank tensors, and a part of a rank input no relation reads is otherwise free."""
+
+    rank: int
+    input: str  # the rank-local input name
+    term: Any  # a refine.expr.Term whose leaves (D) are sequential input names
+    where: str = ""  # json path, for messages
+
+
 @dataclass
 class Dist:
     mesh: Mesh
     ranks: dict[int, Graph]
     relations: list[Relation]
     expectations: list[Expectation]
+    defines: list[Define] = field(default_factory=list)
 
 
 def case_symbols(seq: Graph, dist: Dist) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from refine.expr import OPAQUE, Term, cat, leaf, nary
+from refine.expr import OPAQUE, Term, cat, cat_parts, leaf, nary
 from refine.format import InputError
 from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
 from refine.normalize import lower
@@ -209,8 +209,48 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             dist.relations.append(guess)
         else:
             raise InputError(file, "$.relations", f"no relation for sequential input {inp.name!r}, and no rank input of that name and shape")
+    for d in dist.defines:
+        # the defined rank input equals its define over the sequential inputs' relations: a
+        # fact (refine.replica's kind), told to every step whose e-graph names one of its
+        # leaves (a padded shard is its real part, a slice of itself, and zeros)
+        prog.add_fact(leaf(tensor_name(d.rank, d.input)), _structural(_substitute(d.term, out), prog, registry))
     join_congruent(prog)
     return out
+
+
+def _structural(t: Term, prog: DistProgram, registry: Registry) -> Term:
+    """`t` with slices of concats and of slices resolved (exact: they only pick elements),
+    so a define's fact names the rank pieces it reads, not every rank's piece of the whole."""
+    t = Term(t.op, tuple(_structural(a, prog, registry) for a in t.args), t.attrs)
+    if t.op != "slice" or not all(isinstance(v, int) for v in t.attrs):
+        return t
+    dim, start, end = t.attrs
+    x = t.args[0]
+    if end - start == term_type(x, prog, registry).shape[dim]:
+        return x
+    if x.op == "slice" and x.attrs[0] == dim and isinstance(x.attrs[1], int):
+        return _structural(Term("slice", x.args, (dim, x.attrs[1] + start, x.attrs[1] + end)), prog, registry)
+    if x.op == "full":
+        shape = list(x.attrs[1])
+        shape[dim] = end - start
+        return Term("full", (), (x.attrs[0], tuple(shape)))
+    if x.op == "cat" and x.attrs[0] == dim:
+        pieces, at = [], 0
+        for p in cat_parts(x):
+            size = term_type(p, prog, registry).shape[dim]
+            lo, hi = max(start, at), min(end, at + size)
+            if lo < hi:
+                pieces.append(_structural(Term("slice", (p,), (dim, lo - at, hi - at)), prog, registry))
+            at += size
+        return cat(pieces, dim)
+    return t
+
+
+def _substitute(t: Term, inputs: dict[str, Term]) -> Term:
+    """A define's expression with each sequential input replaced by its relation."""
+    if t.op == "D":
+        return inputs[t.attrs[0]]
+    return Term(t.op, tuple(_substitute(a, inputs) for a in t.args), t.attrs)
 
 
 def join_congruent(prog: DistProgram) -> None:

@@ -379,3 +379,36 @@ def test_source_lines_and_assigned_numbers() -> None:
     assert _assigned_number("output_parallel[input_mask, :] = -1.5") == -1.5
     for code in ("x = 0", "x[m] = y", "x[m] = f(0)", "x[m] = True", "__import__('os').system('ls')", None):
         assert _assigned_number(code) is None
+
+
+@needs_corpus
+def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
+    """With relations/aws_llama_tp6.json (written by models/entangle/make_aws_llama_tp6.py)
+    the TP6 dumps import: the real parts of the padded shards are layouts, every rank's
+    QKV weight and the last rank's output projection and MLP weights are defines (zero
+    padding, one KV head copy per local query head), and the loader checks them against
+    the layouts. A define that puts other columns where a layout reads real ones
+    contradicts them: exit 2 at its path. (The check itself does not reach a verdict yet: README, aws_llama TP6.)"""
+    sys.path.insert(0, str(MODELS.parent))
+    try:
+        import make_aws_llama_tp6
+    finally:
+        sys.path.pop(0)
+    assert json.loads((MODELS / "aws_llama_tp6.json").read_text()) == make_aws_llama_tp6.relations()
+    r, out = _import(tmp_path, "aws_llama/tp1_layer1", "aws_llama/tp6_layer1", "aws_llama_tp6.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((out / "dist.json").read_text())
+    defines = {d["define"]: d["as"] for d in doc["relations"] if "define" in d}
+    assert sorted(defines) == sorted([f"p9_10@{k}" for k in range(6)] + ["p10_11@5", "p12_13@5", "p13_14@5", "p14_15@5"])
+    assert defines["p10_11@5"] == "cat(slice(p10_11, 1, 1920, 2048), zeros([2048, 256]), dim=1)"
+    from refine.format import load_dist, load_seq
+    from refine.opset import load_registry
+    reg = load_registry()
+    seq = load_seq(out / "seq.json", reg)
+    assert len(load_dist(out / "dist.json", reg, seq).defines) == 10
+    # rank 5's output projection with other heads' columns where the layout reads its own
+    k = next(i for i, d in enumerate(doc["relations"]) if d.get("define") == "p10_11@5")
+    doc["relations"][k]["as"] = "cat(slice(p10_11, 1, 1664, 1920), slice(p10_11, 1, 1920, 2048), dim=1)"
+    (out / "dist.json").write_text(json.dumps(doc))
+    r = CliRunner().invoke(main, ["check", str(out / "seq.json"), str(out / "dist.json")])
+    assert r.exit_code == 2 and f"$.relations[{k}].as" in r.output and "contradicts" in r.output, r.output

@@ -739,6 +739,12 @@ def _constants(doc: dict[str, Any] | None) -> dict[str, list[float]]:
     return {c["source"]: [float(v) for v in c["values"]] for c in (doc or {}).get("constants", [])}
 
 
+def _named(text: str, seq: str, local: str) -> str:
+    """A relation file's expression with `{seq}` (the sequential placeholder) and `{local}`
+    (the ranks' placeholder) filled in: an entry by shape serves every layer."""
+    return text.replace("{seq}", seq).replace("{local}", local)
+
+
 def _reads(graph: dict[str, Any], name: str) -> bool:
     return any(a == name for n in graph["nodes"] for a in n["args"]) or any(o["ref"] == name for o in graph["outputs"])
 
@@ -820,6 +826,7 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
     guesses: list[str] = []
     explicit = _explicit(rel_doc, seq, relations_path)
     relations: list[dict[str, Any]] = []
+    unread: list[tuple[Imported, str]] = []
     for i, name in enumerate(seq.placeholders):
         seq_shape = tuple(seq.graph["inputs"][i]["shape"])
         locals_ = [r.placeholders[i] if i < len(r.placeholders) else None for r in ranks]
@@ -836,25 +843,37 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
                 except (ValueError, KeyError, TypeError) as e:
                     raise InputError(str(relations_path), f"input {i} ({name})", f"fused layout: {e}") from None
             elif "layout" in spec:
-                relations.append({"from": name, "layout": spec["layout"]})
+                relations.append({"from": name, "layout": _named(spec["layout"], name, locals_[0])})
             elif "placements" in spec:
                 relations.append({"from": name, "input": locals_[0], "placements": list(spec["placements"])})
             elif spec.get("unrelated"):
                 continue
             else:
                 raise InputError(str(relations_path), f"input {i} ({name})", "needs fused, layout, placements or unrelated")
+            defines = spec.get("defines", {})
+            if not isinstance(defines, dict) or not all(isinstance(v, str) and k.isdigit() and int(k) < n
+                                                        for k, v in defines.items()):
+                raise InputError(str(relations_path), f"input {i} ({name})",
+                                 f'"defines" maps ranks (0..{n - 1}) to expressions over the sequential input')
+            for r, text in sorted(defines.items(), key=lambda kv: int(kv[0])):
+                relations.append({"define": f"{locals_[0]}@{r}", "as": _named(text, name, locals_[0])})
             continue
         local_shapes = {tuple(r.graph["inputs"][i]["shape"]) for r in ranks}
         pl = _placement(seq_shape, next(iter(local_shapes)), n) if len(local_shapes) == 1 else None
         readers = [(seq, name), *zip(ranks, locals_, strict=True)]
         if pl is None and not any(_reads(imp.graph, x) for imp, x in readers):
-            continue  # no checked output reads it (a KV cache the step only returns): it needs no relation
+            # no checked output reads it (a KV cache the step only returns): it needs no
+            # relation, and is left out of the case (nothing there could relate it)
+            unread.extend(readers)
+            continue
         if pl is None:
             raise InputError(str(dist_files[0]), f"placeholder {i} ({name})",
                              f"no placement by shape: sequential {list(seq_shape)}, ranks {sorted(map(list, local_shapes))}"
                              "; give it in a relation file (--relations)")
         relations.append({"from": name, "input": locals_[0], "placements": [pl], "guessed": True})
         guesses.append(f"{name} [{pl}]")
+    for imp, x in unread:
+        imp.graph["inputs"] = [i for i in imp.graph["inputs"] if i["name"] != x]
     # lifted inputs (dropout masks, lost constants): by position among their kind
     for kind in ("mask", "const"):
         sl = [x for x in seq.lifted if x.kind == kind]

@@ -1,0 +1,152 @@
+"""The `define` relation form: a rank input given in full by an expression over sequential
+inputs (a zero-padded shard). A hidden size of 6 split over 2 ranks of 4 columns each: rank
+1 holds columns 4:6 and two columns of padding. Its padded columns compute sigmoid(0) = 1/2,
+which vanishes only through the zero rows of its second weight, so the proof needs to know
+that the padding is zero; nothing but a define says so."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.check import check_files
+from refine.evaluate import differential, random_inputs
+from refine.expr import LayoutSyntaxError, Term, leaf, parse_layout
+from refine.format import InputError, load_dist, load_seq
+from refine.opset import load_registry
+
+REG = load_registry()
+
+W1_PAD = "cat(slice(w1, 1, 4, 6), zeros([4, 2]), dim=1)"
+W2_PAD = "cat(slice(w2, 0, 4, 6), zeros([2, 4]), dim=0)"
+
+
+def _case(tmp_path: Path, defines: dict[str, str], reads_padding: bool = False) -> tuple[Path, Path]:
+    """y = sigmoid(x @ w1) @ w2, hidden 6 padded to 2 x 4. With `reads_padding`, rank 1's
+    second product reads its padded columns (sigmoid(0) = 1/2) as if they were data."""
+    s = GraphBuilder()
+    x, w1, w2 = s.input("x", [8, 4]), s.input("w1", [4, 6], role="parameter"), s.input("w2", [6, 4], role="parameter")
+    s.output("y", s.op("matmul", s.op("sigmoid_t", s.op("matmul", x, w1, name="h"), name="a"), w2, name="y"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        x, w1, w2 = d.input("x", [8, 4]), d.input("w1", [4, 4], role="parameter"), d.input("w2", [4, 4], role="parameter")
+        a = d.op("sigmoid_t", d.op("matmul", x, w1, name="h"), name="a")
+        if reads_padding and r == 1:
+            # rank 1 swaps its halves: the padded columns meet w2's real rows
+            a = d.op("cat", d.op("slice", a, name="pad", dim=1, start=2, end=4),
+                     d.op("slice", a, name="real", dim=1, start=0, end=2), name="swapped", dim=1)
+        p = d.op("matmul", a, w2, name="p")
+        d.output("y", d.op("all_reduce", p, name="y", group=[0, 1], reduce_op="sum"))
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [
+        {"from": "x", "placements": ["Replicate"]},
+        {"from": "w1", "layout": "cat(w1@0, slice(w1@1, 1, 0, 2), dim=1)"},
+        {"from": "w2", "layout": "cat(w2@0, slice(w2@1, 0, 0, 2), dim=0)"},
+        *({"define": k, "as": v} for k, v in defines.items()),
+    ]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, [{"output": "y", "placements": ["Replicate"]}]))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def _load(seq_path: Path, dist_path: Path) -> tuple[Any, Any]:
+    seq = load_seq(seq_path, REG)
+    return seq, load_dist(dist_path, REG, seq)
+
+
+def test_parse_define_reads_sequential_inputs_and_zeros() -> None:
+    t = parse_layout(W1_PAD, sequential=True)
+    assert t == Term("cat", (Term("slice", (leaf("w1"),), (1, 4, 6)), Term("full", (), (0.0, (4, 2)))), (1,))
+    with pytest.raises(LayoutSyntaxError, match="sequential inputs"):
+        parse_layout("cat(slice(w1@1, 1, 0, 2), zeros([4, 2]), dim=1)", sequential=True)
+    with pytest.raises(LayoutSyntaxError, match="not in the relation language"):
+        parse_layout("cat(w1@0, zeros([4, 2]), dim=1)")  # no zeros in a layout: it says what ranks hold
+
+
+def test_padding_defined_zero_refines(tmp_path: Path) -> None:
+    seq_path, dist_path = _case(tmp_path, {"w1@1": W1_PAD, "w2@1": W2_PAD})
+    report = check_files(seq_path, dist_path)
+    assert report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [True]
+
+
+def test_random_inputs_satisfy_the_defines(tmp_path: Path) -> None:
+    seq, dist = _load(*_case(tmp_path, {"w1@1": W1_PAD, "w2@1": W2_PAD}))
+    seq_in, rank_in = random_inputs(seq, dist, seed=3, registry=REG)
+    w1 = rank_in[1]["w1"]
+    assert torch.equal(w1[:, 2:], torch.zeros(4, 2, dtype=w1.dtype))
+    assert torch.allclose(w1[:, :2].double(), seq_in["w1"][:, 4:].double())
+    assert torch.equal(rank_in[1]["w2"][2:], torch.zeros(2, 4, dtype=rank_in[1]["w2"].dtype))
+
+
+@pytest.mark.parametrize("defines", [{}, {"w1@1": W1_PAD}], ids=["no-define", "w2-padding-free"])
+def test_undefined_padding_does_not_refine(tmp_path: Path, defines: dict[str, str]) -> None:
+    """Without the define of w2's padding its rows are free: sigmoid(0) = 1/2 times them
+    is garbage on rank 1 (the differential test shows it, and the prover must not say
+    REFINES)."""
+    seq_path, dist_path = _case(tmp_path, defines)
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
+
+
+def test_padding_defined_nonzero_does_not_refine(tmp_path: Path) -> None:
+    """A consistent define that makes the padding something else (a copy of real rows)."""
+    seq_path, dist_path = _case(tmp_path, {"w1@1": W1_PAD, "w2@1": "cat(slice(w2, 0, 4, 6), slice(w2, 0, 0, 2), dim=0)"})
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
+
+
+def test_a_rank_reading_padding_as_data_does_not_refine(tmp_path: Path) -> None:
+    seq_path, dist_path = _case(tmp_path, {"w1@1": W1_PAD, "w2@1": W2_PAD}, reads_padding=True)
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
+
+
+@pytest.mark.parametrize(("define", "where", "message"), [
+    # the layout reads w1@1's columns 0:2 as w1's 4:6; this define puts w1's 2:4 there
+    ({"w1@1": "cat(slice(w1, 1, 2, 4), zeros([4, 2]), dim=1)"}, "$.relations[3].as", "contradicts the relations"),
+    ({"w1@1": "cat(slice(w1, 1, 4, 6), zeros([4, 3]), dim=1)"}, "$.relations[3].as", "makes shape [4, 5]"),
+    ({"w1@1": "cat(slice(w9, 1, 4, 6), zeros([4, 2]), dim=1)"}, "$.relations[3].as", "not an input of the sequential"),
+    ({"w1@7": W1_PAD}, "$.relations[3].define", "no rank 7"),
+    ({"v@1": W1_PAD}, "$.relations[3].define", "not an input of rank 1"),
+    ({"w1@1": "cat(slice(w1@1, 1, 0, 2), zeros([4, 2]), dim=1)"}, "$.relations[3].as", "syntax error"),
+])
+def test_a_bad_define_is_refused(tmp_path: Path, define: dict[str, str], where: str, message: str) -> None:
+    seq_path, dist_path = _case(tmp_path, define)
+    with pytest.raises(InputError, match=re.escape(message)) as e:
+        _load(seq_path, dist_path)
+    assert e.value.where == where
+
+
+def test_a_define_twice_is_refused(tmp_path: Path) -> None:
+    seq_path, dist_path = _case(tmp_path, {"w1@1": W1_PAD})
+    import json
+    doc = json.loads(dist_path.read_text())
+    doc["relations"].append({"define": "w1@1", "as": W1_PAD})
+    dist_path.write_text(json.dumps(doc))
+    with pytest.raises(InputError, match="defined twice") as e:
+        _load(seq_path, dist_path)
+    assert e.value.where == "$.relations[4].define"
+
+
+def test_cli_exit_2_on_a_contradicting_define(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    seq_path, dist_path = _case(tmp_path, {"w1@1": "cat(slice(w1, 1, 2, 4), zeros([4, 2]), dim=1)"})
+    cli = Path(sys.executable).parent / "refine"
+    out = subprocess.run([str(cli), "check", str(seq_path), str(dist_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2, out
+    assert "$.relations[3].as" in out.stderr and "contradicts" in out.stderr
