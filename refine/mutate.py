@@ -33,6 +33,8 @@ from typing import Any
 
 from refine import dims
 from refine.evaluate import (
+    EvalError,
+    Tensor,
     close,
     differential,
     eval_graph,
@@ -61,6 +63,7 @@ class Mutant:
     scope: str  # "rank R" or "all ranks"
     detail: str
     doc: Doc = field(repr=False)
+    ranks: tuple[int, ...] = ()
 
     @property
     def name(self) -> str:
@@ -76,9 +79,12 @@ class Outcome:
     wrong: bool | None  # numerically wrong on some output; None: not evaluated
     culprit: str = ""
     error: float = math.nan
+    dead: bool = False  # the mutated site reaches no rank output: it cannot change a value
 
     @property
     def kind(self) -> str:
+        if self.wrong is None and self.dead:
+            return "neutral" if self.verdict == "REFINES" else "incomplete"
         if self.wrong is None:
             return "unjudged"
         if self.verdict == "REFINES":
@@ -385,6 +391,29 @@ def _sites(op: str, dist: Dist) -> list[str]:
     return [n.name for n in g.nodes if n.op in want]
 
 
+def _site_rng(seed: int, operator: str, site: str) -> random.Random:
+    """The operator's choices at a site (which constant, which shift): the same on every rank,
+    as the same line of code runs on every rank."""
+    return random.Random(f"{seed}:{operator}:{site}")
+
+
+def live(dist: Dist, rank: int, site: str) -> bool:
+    """Does the site (a node or input of the rank) reach one of the rank's outputs?"""
+    g = dist.ranks[rank]
+    users = g.users()
+    todo, seen = [site], {site}
+    outs = {o.ref for o in g.outputs}
+    while todo:
+        x = todo.pop()
+        if x in outs:
+            return True
+        for u in users.get(x, []):
+            if u.name not in seen:
+                seen.add(u.name)
+                todo.append(u.name)
+    return False
+
+
 def load_mutant(doc: Doc, seq: Graph, registry: Registry) -> Dist:
     """Load a mutated document the way `refine check` would (raises InputError if it does not)."""
     with tempfile.TemporaryDirectory() as d:
@@ -415,12 +444,12 @@ def mutants(seq: Graph, dist: Dist, doc: Doc, registry: Registry, count: int, se
                 details = []
                 try:
                     for r in on:
-                        d = OPERATORS[o](registry, new, dist, r, site, rng)
+                        d = OPERATORS[o](registry, new, dist, r, site, _site_rng(seed, o, site))
                         if d is None:
                             break
                         details.append(d)
                     else:
-                        m = Mutant(o, site, "all ranks" if scope_all else f"rank {on[0]}", details[0], new)
+                        m = Mutant(o, site, "all ranks" if scope_all else f"rank {on[0]}", details[0], new, tuple(on))
                         yield m, load_mutant(new, seq, registry)
                         made += 1
                         break
@@ -432,17 +461,16 @@ def mutate_one(seq: Graph, dist: Dist, doc: Doc, registry: Registry, operator: s
                ranks: list[int] | None = None, seed: int = 0) -> tuple[Mutant, Dist] | None:
     """One chosen mutation at `site` on `ranks` (default: every rank); None when the operator
     does not apply there. Raises InputError when the mutant does not load."""
-    rng = random.Random(seed)
     on = sorted(dist.ranks) if ranks is None else ranks
     new = copy.deepcopy(doc)
     details = []
     for r in on:
-        d = OPERATORS[operator](registry, new, dist, r, site, rng)
+        d = OPERATORS[operator](registry, new, dist, r, site, _site_rng(seed, operator, site))
         if d is None:
             return None
         details.append(d)
     scope = "all ranks" if len(on) == len(dist.ranks) and len(on) > 1 else ", ".join(f"rank {r}" for r in on)
-    m = Mutant(operator, site, scope, details[0], new)
+    m = Mutant(operator, site, scope, details[0], new, tuple(on))
     return m, load_mutant(new, seq, registry)
 
 
@@ -453,29 +481,51 @@ def mutate_one(seq: Graph, dist: Dist, doc: Doc, registry: Registry, operator: s
 class Judge:
     """Checks mutants and evaluates them against the sequential side, computed once."""
 
-    def __init__(self, seq: Graph, dist: Dist, registry: Registry, seed: int = 0) -> None:
-        self.seq, self.registry, self.seed = seq, registry, seed
+    def __init__(self, seq: Graph, dist: Dist, registry: Registry, seed: int = 0, evaluate: bool = True) -> None:
+        self.seq, self.dist, self.registry, self.seed, self.evaluate = seq, dist, registry, seed, evaluate
         self.symbolic = bool(case_symbols(seq, dist))
-        if not self.symbolic:
-            # mutants keep the inputs and relations: both sides' inputs and the sequential values are shared
-            self.seq_in, self.rank_in = random_inputs(seq, dist, seed, registry)
-            self.seq_vals = eval_graph(seq, registry, self.seq_in)
+        self.inputs: dict[int, tuple[dict[int, dict[str, Tensor]], dict[str, Tensor]]] = {}
+        if evaluate and not self.symbolic:
+            try:
+                self._inputs(seed)
+            except EvalError:  # too large to evaluate (refine.evaluate.eval_budget): verdicts only
+                self.evaluate = False
+
+    def _inputs(self, seed: int) -> tuple[dict[int, dict[str, Tensor]], dict[str, Tensor]]:
+        """Rank inputs and sequential output values for a seed: mutants keep the inputs and
+        relations, so these are shared by all of them."""
+        if seed not in self.inputs:
+            seq_in, rank_in = random_inputs(self.seq, self.dist, seed, self.registry)
+            vals = eval_graph(self.seq, self.registry, seq_in)
+            self.inputs[seed] = (rank_in, {o.ref: vals[o.ref] for o in self.seq.outputs})
+        return self.inputs[seed]
 
     def wrong(self, dist: Dist) -> tuple[bool | None, float]:
-        """Is some sequential output numerically different from what the ranks give?"""
+        """Is some sequential output numerically different from what the ranks give, on one
+        of two sets of random inputs? (One set can hide a bug: a degenerate draw.)"""
+        if not self.evaluate:  # too large to run: the verdict alone is reported
+            return None, math.nan
         if self.symbolic:
-            res = differential(self.seq, dist, self.registry, seed=self.seed)
+            res = [x for s in (self.seed, self.seed + 1) for x in differential(self.seq, dist, self.registry, seed=s)]
             known = [x for x in res if x.ok is not None]
             return (any(not x.ok for x in known) if known else None), max((x.error for x in known), default=math.nan)
+        verdict, err = self._wrong_at(dist, self.seed)
+        if verdict is False:
+            verdict, err2 = self._wrong_at(dist, self.seed + 1)
+            err = max(err, err2)
+        return verdict, err
+
+    def _wrong_at(self, dist: Dist, seed: int) -> tuple[bool | None, float]:
+        rank_in, seq_outs = self._inputs(seed)
         try:
-            rank_vals = eval_ranks(dist.ranks, self.registry, self.rank_in)
+            rank_vals = eval_ranks(dist.ranks, self.registry, rank_in)
         except Exception:  # noqa: BLE001 - a mutant that cannot run (a deadlock) computes nothing right
             return True, math.inf
         outs = {f"{o.name}@{r}": rank_vals[r][o.ref] for r, g in dist.ranks.items() for o in g.outputs}
         verdict: bool | None = None
         err = 0.0
         for o in self.seq.outputs:
-            want = self.seq_vals[o.ref]
+            want = seq_outs[o.ref]
             for t in expected_terms(dist, o.name, set(outs)):
                 try:
                     got = eval_term(t, self.registry, outs)
@@ -489,20 +539,21 @@ class Judge:
         from refine.check import check
 
         wrong, err = self.wrong(dist)
+        dead = bool(m.ranks) and not any(live(self.dist, r, m.node) for r in m.ranks)
         try:
             report = check(self.seq, dist, self.registry, "seq", f"mutant {m.name}")
         except InputError as e:
-            return Outcome(m, "exit 2", wrong, e.reason[:80], err)
+            return Outcome(m, "exit 2", wrong, e.reason[:80], err, dead)
         verdict = "REFINES" if report.refines else "DOES NOT REFINE"
         c = report.culprit
         culprit = "" if c is None else f"{c.node} ({c.op})" + (f" at {c.rank_node}" if c.rank_node else "")
-        return Outcome(m, verdict, wrong, culprit, err)
+        return Outcome(m, verdict, wrong, culprit, err, dead)
 
 
 def run(seq: Graph, dist: Dist, doc: Doc, registry: Registry, count: int, seed: int = 0,
         operators: list[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None,
-        baseline: bool = True) -> list[Outcome]:
-    judge = Judge(seq, dist, registry, seed)
+        baseline: bool = True, evaluate: bool = True) -> list[Outcome]:
+    judge = Judge(seq, dist, registry, seed, evaluate)
     out = []
     if baseline:  # the unmutated case: it should refine and be right, or the rest means little
         o = judge.judge(Mutant("none", "-", "-", "the case as given", doc), dist)

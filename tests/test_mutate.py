@@ -158,3 +158,52 @@ def test_corpus_mutants_are_caught(tmp_path: Path) -> None:
         made = mutate_one(seq, dist, doc, REG, operator, site, ranks)
         assert made is not None
         assert judge.judge(*made).kind == "caught", made[0].name
+
+
+def test_a_dead_site_is_neutral_and_too_large_a_case_is_unjudged(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the evaluation budget nothing is evaluated (refine.evaluate.random_inputs raises
+    EvalError, which localization's counterfactual edits also meet); a mutation whose site
+    reaches no rank output is neutral without evaluation."""
+    from refine.evaluate import EvalError, random_inputs
+
+    paths = _tp_mlp(tmp_path)
+    seq, dist, doc = load_case(*paths, REG)
+    monkeypatch.setenv("REFINE_EVAL_BUDGET", "100")
+    with pytest.raises(EvalError, match="too large to evaluate"):
+        random_inputs(seq, dist, 0, REG)
+    judge = Judge(seq, dist, REG)
+    assert not judge.evaluate
+    assert judge.judge(*mutate_one(seq, dist, doc, REG, "scale", "fc2", [0])).kind == "unjudged"
+    # a dead node: a copy of fc1 that nothing reads
+    for r in doc["ranks"]:
+        r["graph"]["nodes"].append({"name": "unused", "op": "mul", "args": ["fc1", 1.0], "shape": [4, 8],
+                                    "dtype": "float32"})
+    dist2 = load_mutant_doc(doc, seq)
+    o = Judge(seq, dist2, REG).judge(*mutate_one(seq, dist2, doc, REG, "scale", "unused", None))
+    assert o.verdict == "REFINES" and o.kind == "neutral"
+
+
+def load_mutant_doc(doc: dict, seq: object) -> object:
+    from refine.mutate import load_mutant
+
+    return load_mutant(doc, seq, REG)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
+def test_corpus_gpt_loss_scaled_on_every_rank_does_not_refine(tmp_path: Path) -> None:
+    """Megatron GPT TP2: the per-token losses halved on every rank (a loss divided twice).
+    Without an expectation the loss need only be reconstructible from the rank outputs, and
+    `2 * output@0` is: the check said REFINES. models/entangle/relations/gpt.json now says the
+    loss is Replicate. (Too large to evaluate: the judge reports the verdict only.)"""
+    from refine.importer.entangle import import_case
+
+    case = import_case(CORPUS / "gpt" / "paral1_layer1", CORPUS / "gpt" / "paral2_layer1",
+                       ROOT / "models" / "entangle" / "relations" / "gpt.json")
+    assert case.dist["expectations"] == [{"output": "output", "placements": ["Replicate"]}]
+    case.write(tmp_path)
+    seq, dist, doc = load_case(tmp_path / "seq.json", tmp_path / "dist.json", REG)
+    made = mutate_one(seq, dist, doc, REG, "scale", "transpose_6", None, seed=1)
+    assert made is not None and "scaled by 0.5" in made[0].name
+    o = Judge(seq, dist, REG).judge(*made)
+    assert o.verdict == "DOES NOT REFINE" and o.kind == "unjudged"
