@@ -208,7 +208,9 @@ def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, m
               help="only this mutation operator (repeatable); see refine/mutate.py")
 @click.option("--no-eval", "no_eval", is_flag=True,
               help="do not run the programs in torch (cases too large to evaluate): verdicts only")
-def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str, ...], no_eval: bool) -> None:
+@RULES_OPTION
+def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str, ...], no_eval: bool,
+               rules: tuple[str, ...]) -> None:
     """Inject small distributed-training bugs into DIST, check and evaluate each mutant, and
     print a table. Exit 1 if a numerically wrong mutant REFINES (a soundness failure)."""
     from collections import Counter
@@ -223,10 +225,13 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
         _bad_input(f"no such operator: {', '.join(unknown)} (known: {', '.join(OPERATORS)})", "text")
         return
     try:
-        registry = load_registry()
+        registry = load_registry(rules)
         seq_g, dist_g, doc = load_case(seq, dist, registry)
     except InputError as e:
         _bad_input(str(e), "text")
+        return
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        _bad_input(f"{type(e).__name__}: {e}", "text")
         return
     console = Console(emoji=False, width=160)
     explicit = {e.output for e in dist_g.expectations}

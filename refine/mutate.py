@@ -54,6 +54,7 @@ REDUCING = ("all_reduce", "reduce_scatter")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 NONCOMMUTATIVE = ("sub", "div", "matmul", "mm", "bmm", "hlo_dot")
 SHAPE_OPS = ("reshape", "view")
+DRAWS = 4  # sets of random inputs a mutant must be right on to count as numerically equal
 
 
 @dataclass
@@ -493,26 +494,34 @@ class Judge:
 
     def _inputs(self, seed: int) -> tuple[dict[int, dict[str, Tensor]], dict[str, Tensor]]:
         """Rank inputs and sequential output values for a seed: mutants keep the inputs and
-        relations, so these are shared by all of them."""
-        if seed not in self.inputs:
-            seq_in, rank_in = random_inputs(self.seq, self.dist, seed, self.registry)
-            vals = eval_graph(self.seq, self.registry, seq_in)
-            self.inputs[seed] = (rank_in, {o.ref: vals[o.ref] for o in self.seq.outputs})
-        return self.inputs[seed]
+        relations, so the first draw's are shared by all of them (only that one is kept: a
+        corpus case's inputs are GBs in float64)."""
+        if seed in self.inputs:
+            return self.inputs[seed]
+        seq_in, rank_in = random_inputs(self.seq, self.dist, seed, self.registry)
+        vals = eval_graph(self.seq, self.registry, seq_in)
+        got = (rank_in, {o.ref: vals[o.ref] for o in self.seq.outputs})
+        if seed == self.seed:
+            self.inputs[seed] = got
+        return got
 
     def wrong(self, dist: Dist) -> tuple[bool | None, float]:
         """Is some sequential output numerically different from what the ranks give, on one
-        of two sets of random inputs? (One set can hide a bug: a degenerate draw.)"""
+        of DRAWS sets of random inputs? One draw can hide a bug: aws_llama's query scaled by
+        0.5 changes nothing on the draws of seeds 0 and 1
+        but is wrong on seed 3; only mutants equal on the first draw pay for more."""
         if not self.evaluate:  # too large to run: the verdict alone is reported
             return None, math.nan
         if self.symbolic:
-            res = [x for s in (self.seed, self.seed + 1) for x in differential(self.seq, dist, self.registry, seed=s)]
+            res = [x for s in range(self.seed, self.seed + 2) for x in differential(self.seq, dist, self.registry, seed=s)]
             known = [x for x in res if x.ok is not None]
             return (any(not x.ok for x in known) if known else None), max((x.error for x in known), default=math.nan)
         verdict, err = self._wrong_at(dist, self.seed)
-        if verdict is False:
-            verdict, err2 = self._wrong_at(dist, self.seed + 1)
-            err = max(err, err2)
+        for s in range(1, DRAWS):
+            if verdict is not False:
+                break
+            verdict, e = self._wrong_at(dist, self.seed + s)
+            err = max(err, e)
         return verdict, err
 
     def _wrong_at(self, dist: Dist, seed: int) -> tuple[bool | None, float]:
