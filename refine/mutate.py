@@ -440,22 +440,20 @@ def mutants(seq: Graph, dist: Dist, doc: Doc, registry: Registry, count: int, se
                 site = pending[o].pop()
                 ranks = sorted(dist.ranks)
                 scope_all = o not in PER_RANK_ONLY and len(ranks) > 1 and rng.random() < 0.5
-                on = ranks if scope_all else [rng.choice(ranks)]
-                new = copy.deepcopy(doc)
-                details = []
-                try:
-                    for r in on:
-                        d = OPERATORS[o](registry, new, dist, r, site, _site_rng(seed, o, site))
-                        if d is None:
-                            break
-                        details.append(d)
-                    else:
-                        m = Mutant(o, site, "all ranks" if scope_all else f"rank {on[0]}", details[0], new, tuple(on))
-                        yield m, load_mutant(new, seq, registry)
-                        made += 1
-                        break
-                except (InputError, KeyError, IndexError, ValueError, TypeError, ZeroDivisionError):
-                    continue  # does not type-check here: skipped
+                scopes = [None] if scope_all else [[rng.choice(ranks)]]
+                if not scope_all and o not in PER_RANK_ONLY and len(ranks) > 1:
+                    scopes.append(None)  # a collective's attributes must agree across ranks: then on every rank
+                made_here = None
+                for on in scopes:
+                    try:
+                        made_here = mutate_one(seq, dist, doc, registry, o, site, on, seed)
+                    except (InputError, KeyError, IndexError, ValueError, TypeError, ZeroDivisionError):
+                        continue  # does not type-check here: skipped
+                    break
+                if made_here is not None:
+                    yield made_here
+                    made += 1
+                    break
 
 
 def mutate_one(seq: Graph, dist: Dist, doc: Doc, registry: Registry, operator: str, site: str,
