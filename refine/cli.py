@@ -199,6 +199,65 @@ def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, m
     sys.exit(1 if bad else 0)
 
 
+@main.command("mutate")
+@click.argument("seq")
+@click.argument("dist")
+@click.option("--count", type=int, default=10, show_default=True, help="how many mutants (that load) to check")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--operator", "operators", multiple=True,
+              help="only this mutation operator (repeatable); see refine/mutate.py")
+@click.option("--no-eval", "no_eval", is_flag=True,
+              help="do not run the programs in torch (cases too large to evaluate): verdicts only")
+@RULES_OPTION
+def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str, ...], no_eval: bool,
+               rules: tuple[str, ...]) -> None:
+    """Inject small distributed-training bugs into DIST, check and evaluate each mutant, and
+    print a table. Exit 1 if a numerically wrong mutant REFINES (a soundness failure)."""
+    from collections import Counter
+
+    from rich.table import Table
+
+    from refine.mutate import OPERATORS, load_case, run
+    from refine.opset import load_registry
+
+    unknown = sorted(set(operators) - set(OPERATORS))
+    if unknown:
+        _bad_input(f"no such operator: {', '.join(unknown)} (known: {', '.join(OPERATORS)})", "text")
+        return
+    try:
+        registry = load_registry(rules)
+        seq_g, dist_g, doc = load_case(seq, dist, registry)
+    except InputError as e:
+        _bad_input(str(e), "text")
+        return
+    except (FileNotFoundError, ImportError, ValueError) as e:
+        _bad_input(f"{type(e).__name__}: {e}", "text")
+        return
+    console = Console(emoji=False, width=160)
+    explicit = {e.output for e in dist_g.expectations}
+    for o in seq_g.outputs:
+        if o.name not in explicit:
+            console.print(f"note: output {o.name!r} has no expectation in {dist}: the check only asks that it be "
+                          "reconstructible from rank outputs (e.g. 2 * loss@0, or one rank's copy), so a bug on one "
+                          "rank's copy or a constant factor can REFINE; the evaluation compares every rank's "
+                          f"{o.name!r} (Replicate)", highlight=False, markup=False)
+
+    def show(o: object) -> None:
+        console.print(f"{o.kind:10} {o.verdict:16} {o.mutant.name}", highlight=False, markup=False)  # type: ignore[attr-defined]
+
+    outcomes = run(seq_g, dist_g, doc, registry, count, seed, list(operators) or None, show, evaluate=not no_eval)
+    table = Table(title=f"{len(outcomes)} mutants of {dist} (seed {seed})")
+    for col in ("mutant", "verdict", "numerically wrong?", "outcome", "culprit"):
+        table.add_column(col)
+    for o in outcomes:
+        wrong = "?" if o.wrong is None else ("yes" if o.wrong else "no")
+        table.add_row(o.mutant.name, o.verdict, wrong, o.kind, o.culprit)
+    console.print(table)
+    counts = Counter(o.kind for o in outcomes)
+    console.print(", ".join(f"{k}: {counts[k]}" for k in ("caught", "neutral", "incomplete", "UNSOUND", "unjudged")))
+    sys.exit(1 if counts["UNSOUND"] else 0)
+
+
 def _bad_input(message: str, fmt: str) -> None:
     if fmt == "json":
         import json

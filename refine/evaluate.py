@@ -19,6 +19,7 @@ Symbolic sizes are evaluated at a valuation of their symbols (`instantiate`).
 from __future__ import annotations
 
 import math
+import os
 import random
 import re
 from collections.abc import Callable, Mapping
@@ -478,12 +479,33 @@ def _assign(t: Term, v: Tensor, registry: Registry, value: Callable[[str], Tenso
         raise EvalError(f"cannot draw rank inputs making a replica's {t.op} equal to its layout")
 
 
+def eval_elements(seq: Graph, dist: Dist) -> int:
+    """Elements of every tensor both sides compute (the interpreter keeps them all)."""
+    total = 0
+    for g in (seq, *dist.ranks.values()):
+        for x in (*g.inputs, *g.nodes):
+            if all(isinstance(d, int) for d in x.type.shape):  # symbolic sizes: instantiated by the callers
+                total += math.prod(x.type.shape)
+    return total
+
+
+def eval_budget() -> int:
+    """Elements an evaluation may hold (float64: 8 bytes each), REFINE_EVAL_BUDGET or 1e9."""
+    return int(float(os.environ.get("REFINE_EVAL_BUDGET", "1e9")))
+
+
 def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | None = None,
                   int_bound: int | None = None) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
     """Random sequential inputs and rank inputs that satisfy the dist's input relations.
 
     Integer inputs read as embedding ids are drawn below the table's row count (or
-    `int_bound`, or 8)."""
+    `int_bound`, or 8). Raises EvalError for a case too large to evaluate (`eval_budget`):
+    the callers (localization's counterfactual edits, audits) then do without, where
+    evaluating a gpt-sized graph would take tens of GB and be killed."""
+    n = eval_elements(seq, dist)
+    if n > eval_budget():
+        raise EvalError(f"too large to evaluate: {n:.3g} tensor elements over both sides, above the budget of "
+                        f"{eval_budget():.3g} (REFINE_EVAL_BUDGET)")
     registry = registry or load_registry()
     gen = torch.Generator().manual_seed(seed)
     bounds = int_bounds(seq, registry)
