@@ -80,6 +80,8 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     refines = all(r.ok for r in results)
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
+    guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
+                for e in dist.expectations if e.guessed]
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "replayed": int(engine.stats["replayed"] - replayed0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),

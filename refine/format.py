@@ -53,7 +53,7 @@ FIELDS = {
     "rank": ("rank", "graph"),
     "relation": ("from", "input", "placements", "layout", "guessed"),
     "define": ("define", "as"),
-    "expectation": ("output", "local", "placements", "layout"),
+    "expectation": ("output", "local", "placements", "layout", "guessed"),
 }
 
 
@@ -712,7 +712,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"rank output {local!r} placed [{', '.join(map(str, pl))}] makes shape "
                                              f"{list(got)}, but the sequential output {out!r} has {list(want)}")
-        expectations.append(Expectation(out, local, pl, where=at))
+        expectations.append(Expectation(out, local, pl, where=at, guessed=c.get(ex, "guessed", at, bool, False)))
     dist = Dist(mesh, ranks, relations, expectations, defines)
     if defines:
         _check_defines(c, seq, dist, registry)

@@ -147,6 +147,7 @@ class Expectation:
     placements: tuple[Placement, ...] | None = None
     layout: tuple[Any, ...] | None = None  # refine.expr terms over rank outputs, each equal to the output
     where: str = ""
+    guessed: bool = False  # placements guessed from shapes (reports flag them)
 
 
 @dataclass(frozen=True)

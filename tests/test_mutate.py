@@ -207,3 +207,27 @@ def test_corpus_gpt_loss_scaled_on_every_rank_does_not_refine(tmp_path: Path) ->
     assert made is not None and "scaled by 0.5" in made[0].name
     o = Judge(seq, dist, REG).judge(*made)
     assert o.verdict == "DOES NOT REFINE" and o.kind == "unjudged"
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
+def test_corpus_output_expectation_is_guessed_from_shapes(tmp_path: Path) -> None:
+    """A relation file that names no expectation for the checked output: the importer places
+    it by shape like an input (the loss: Replicate) and flags the guess, so the loss halved on
+    every rank is still DOES NOT REFINE, and the correct case still refines."""
+    from refine.check import check_files
+    from refine.importer.entangle import import_case
+
+    rel = json.loads((ROOT / "models" / "entangle" / "relations" / "gpt.json").read_text())
+    del rel["outputs"]
+    (tmp_path / "gpt.json").write_text(json.dumps(rel))
+    case = import_case(CORPUS / "gpt" / "paral1_layer1", CORPUS / "gpt" / "paral2_layer1", tmp_path / "gpt.json")
+    assert case.dist["expectations"] == [{"output": "output", "placements": ["Replicate"], "guessed": True}]
+    assert "output output [Replicate]" in case.guesses
+    case.write(tmp_path / "case")
+    report = check_files(tmp_path / "case" / "seq.json", tmp_path / "case" / "dist.json")
+    assert report.refines, str(report)
+    assert "output output: [Replicate] (guessed from shapes)" in report.guesses
+    seq, dist, doc = load_case(tmp_path / "case" / "seq.json", tmp_path / "case" / "dist.json", REG)
+    made = mutate_one(seq, dist, doc, REG, "scale", "transpose_6", None, seed=1)
+    assert made is not None
+    assert Judge(seq, dist, REG).judge(*made).verdict == "DOES NOT REFINE"

@@ -662,6 +662,11 @@ def dumps_in(directory: str | Path, direction: str | None = None) -> tuple[str, 
     return direction, [files[r] for r in range(len(files))]
 
 
+def _output_shape(graph: dict[str, Any], name: str) -> tuple[int, ...]:
+    ref = next(o["ref"] for o in graph["outputs"] if o["name"] == name)
+    return next(tuple(x["shape"]) for x in [*graph["nodes"], *graph["inputs"]] if x["name"] == ref)
+
+
 def _placement(seq: tuple[int, ...], local: tuple[int, ...], n: int) -> str | None:
     """Replicate for equal shapes, Shard(d) for one dim divided by the rank count."""
     if seq == local:
@@ -889,10 +894,20 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
             relations.append({"from": x.name, "input": rl[0][j].name, "placements": [pl], "guessed": True})
             guesses.append(f"{x.name} [{pl}]")
     # the lifted input names must agree across graphs: rename rank ones to the sequential names
-    expectations = []
+    expectations: list[dict[str, Any]] = []
     for s in specs:
         if "placements" in s:
             expectations.append({"output": s["name"], "placements": list(s["placements"])})
+            continue
+        # none given: placed by shape like an input, and flagged. Left without one, an output
+        # need only be reconstructible from rank outputs, so a loss halved on every rank
+        # (2 * loss@0) or a wrong loss on one rank (the other's is right) would refine
+        want = _output_shape(seq.graph, s["name"])
+        got = {_output_shape(r.graph, s["name"]) for r in ranks}
+        pl = _placement(want, next(iter(got)), n) if len(got) == 1 else None
+        if pl is not None:
+            expectations.append({"output": s["name"], "placements": [pl], "guessed": True})
+            guesses.append(f"output {s['name']} [{pl}]")
     seq_doc = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": seq.graph}
     dist_doc: dict[str, Any] = {
         "format": "refine-graph", "version": 1, "kind": "distributed",
