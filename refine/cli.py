@@ -34,6 +34,9 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...]) -> None:
     except (FileNotFoundError, ImportError, ValueError) as e:
         _bad_input(f"{type(e).__name__}: {e}", fmt)
         return
+    except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")
+        _bad_input(f"internal error, no verdict ({type(e).__name__}): {e}", fmt)
+        return
     if fmt == "json":
         click.echo(report.to_json())
     else:

@@ -576,6 +576,52 @@ def define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int
     """A define that contradicts the relations, and how: the rank inputs it sets, in full,
     from random sequential inputs, must leave every relation's value (every replica of
     it) what it was drawn to be. None when every define agrees."""
+    # checked a group at a time: the defines and relations that share an input (one
+    # layer's fused weight), so memory is one group's, not every layer's weights at once
+    # (aws_llama TP6 eight layers: 1e9 elements, 8 GB, in one draw)
+    for defines, rels in _define_groups(dist):
+        part = Dist(dist.mesh, dist.ranks, rels, [], defines)
+        bad = _define_conflict(seq, part, registry, seeds)
+        if bad is not None:
+            return bad
+    return None
+
+
+def _define_groups(dist: Dist) -> list[tuple[list[Define], list[Relation]]]:
+    """The defines with the relations that read what they define or what they read, joined
+    where they share a relation (connected components)."""
+    def leaves(rel: Relation) -> set[str]:
+        if rel.layout is not None:
+            return set().union(*(t.leaves() for t in (rel.layout, *rel.replicas)))
+        return {tensor_name(r, rel.local or rel.source) for r in dist.ranks}
+
+    parent = list(range(len(dist.defines)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    touched: dict[int, list[int]] = {}  # relation -> defines it touches
+    for k, rel in enumerate(dist.relations):
+        ls = leaves(rel)
+        for i, d in enumerate(dist.defines):
+            if rel.source in d.term.leaves() or tensor_name(d.rank, d.input) in ls:
+                touched.setdefault(k, []).append(i)
+        ds = touched.get(k, [])
+        for i in ds[1:]:
+            parent[find(i)] = find(ds[0])
+    groups: dict[int, tuple[list[Define], list[Relation]]] = {}
+    for i, d in enumerate(dist.defines):
+        groups.setdefault(find(i), ([], []))[0].append(d)
+    for k, ds in touched.items():
+        groups[find(ds[0])][1].append(dist.relations[k])
+    return list(groups.values())
+
+
+def _define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int, ...]
+                     ) -> tuple[Define, str] | None:
     from refine.relate import placed_terms  # relate is imported lazily here, as in audit
 
     by_leaf = {tensor_name(d.rank, d.input): d for d in dist.defines}

@@ -747,3 +747,21 @@ def test_symbolic_node_shape_disagrees_with_its_op(tmp_path: Path, sym_seq: Doc,
 def test_symbolic_reduce_scatter_needs_provable_divisibility(tmp_path: Path, sym_seq: Doc, sym_dist: Doc) -> None:
     sym_seq["symbols"]["T"]["multiple_of"] = 1
     fails(tmp_path, sym_seq, sym_dist, "dist", "$.ranks[0].graph.inputs[0].shape[0]", "not provably divisible by 2")
+
+
+def test_a_crash_is_exit_2_not_a_verdict(tmp_path: Path, seq: Doc, dist: Doc,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unexpected exception inside the check is no verdict: exit 2 naming it, never
+    Python's exit 1, which would read as "does not refine"."""
+    from click.testing import CliRunner
+
+    from refine.cli import main
+
+    def boom(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("something broke")
+
+    monkeypatch.setattr(sys.modules["refine.check"], "check_files", boom)
+    s, d = write(tmp_path, seq, dist)
+    r = CliRunner().invoke(main, ["check", str(s), str(d)])
+    assert r.exit_code == 2
+    assert "internal error" in r.output and "something broke" in r.output

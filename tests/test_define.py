@@ -150,3 +150,21 @@ def test_cli_exit_2_on_a_contradicting_define(tmp_path: Path) -> None:
                          capture_output=True, text=True)
     assert out.returncode == 2, out
     assert "$.relations[3].as" in out.stderr and "contradicts" in out.stderr
+
+
+
+def test_defines_are_checked_a_group_at_a_time(tmp_path: Path) -> None:
+    """The load check draws one group of defines and relations at a time (those sharing an
+    input: one layer's weight), so its memory is one group's; every group is still checked,
+    and a contradiction in the second group is found at its define."""
+    from refine.evaluate import _define_groups
+
+    ok = {"w1@1": W1_PAD, "w2@1": W2_PAD}
+    _, dist = _load(*_case(tmp_path, ok))
+    groups = sorted(([d.input for d in ds], [r.source for r in rs]) for ds, rs in _define_groups(dist))
+    assert groups == [(["w1"], ["w1"]), (["w2"], ["w2"])]
+    (tmp_path / "bad").mkdir()
+    bad = dict(ok, **{"w2@1": "cat(slice(w2, 0, 2, 4), zeros([2, 4]), dim=0)"})  # rows 2:4 where 4:6 are read
+    with pytest.raises(InputError, match="contradicts") as e:
+        _load(*_case(tmp_path / "bad", bad))
+    assert e.value.where == "$.relations[4].as"
