@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import click
 from rich.console import Console
@@ -28,12 +29,8 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...]) -> None:
 
     try:
         report = check_files(seq, dist, rules)
-    except InputError as e:
-        _bad_input(str(e), fmt)
-        return
-    except (FileNotFoundError, ImportError, ValueError) as e:
-        _bad_input(f"{type(e).__name__}: {e}", fmt)
-        return
+    except LOAD_ERRORS as e:
+        _load_error(e, fmt)
     except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")
         _bad_input(f"internal error, no verdict ({type(e).__name__}): {e}", fmt)
         return
@@ -146,12 +143,8 @@ def rules_list_cmd(rules: tuple[str, ...], pair: tuple[str, str] | None) -> None
             report = check_files(*pair, rules)
             symbolic = bool(report.symbols)
             fired = engine_for(registry, symbolic).fired - before.get((id(registry), symbolic), Counter())
-    except InputError as e:
-        _bad_input(str(e), "text")
-        return
-    except (FileNotFoundError, ImportError, ValueError) as e:
-        _bad_input(f"{type(e).__name__}: {e}", "text")
-        return
+    except LOAD_ERRORS as e:
+        _load_error(e, "text")
     table = Table(title=f"{len(registry.rules)} rules in {len(registry.families)} families")
     for col in ("family", "rule", "symbolic", *(("fired",) if fired is not None else ())):
         table.add_column(col)
@@ -230,12 +223,8 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
     try:
         registry = load_registry(rules)
         seq_g, dist_g, doc = load_case(seq, dist, registry)
-    except InputError as e:
-        _bad_input(str(e), "text")
-        return
-    except (FileNotFoundError, ImportError, ValueError) as e:
-        _bad_input(f"{type(e).__name__}: {e}", "text")
-        return
+    except LOAD_ERRORS as e:
+        _load_error(e, "text")
     console = Console(emoji=False, width=160)
     explicit = {e.output for e in dist_g.expectations}
     for o in seq_g.outputs:
@@ -261,7 +250,15 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
     sys.exit(1 if counts["UNSOUND"] else 0)
 
 
-def _bad_input(message: str, fmt: str) -> None:
+LOAD_ERRORS = (InputError, FileNotFoundError, ImportError, ValueError)  # a case that cannot be loaded
+
+
+def _load_error(e: Exception, fmt: str) -> NoReturn:
+    """Exit 2 with the loader's message (an InputError names the file, place and reason)."""
+    _bad_input(str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}", fmt)
+
+
+def _bad_input(message: str, fmt: str) -> NoReturn:
     if fmt == "json":
         import json
 
