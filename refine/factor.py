@@ -189,21 +189,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         return None
     (c,) = factors
 
-    # distance (in ops) of each rank node from the failing outputs it feeds
-    dist_of: dict[tuple[int, str], int] = {}
-    for r, g in dist.ranks.items():
-        idx = g.index()
-        frontier, d = sorted(roots[r]), 0
-        while frontier:
-            nxt = []
-            for x in frontier:
-                if (r, x) in dist_of:
-                    continue
-                dist_of[(r, x)] = d
-                n = idx.get(x)
-                if isinstance(n, Node):
-                    nxt.extend(n.tensor_args())
-            frontier, d = nxt, d + 1
+    dist_of = distances(dist, {r: sorted(xs) for r, xs in roots.items()})
 
     # the candidate lines: (source, what the line scales by) -> its nodes on every rank
     groups: dict[tuple[str, str], list[tuple[int, Node]]] = {}
@@ -257,3 +243,23 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
                                sorted(failing))
     return None
+
+
+def distances(dist: Dist, roots: Mapping[int, list[str]]) -> dict[tuple[int, str], int]:
+    """Distance in ops of each rank node from the roots (failing outputs) it feeds, by rank:
+    the lines nearest a wrong output are the likeliest culprits."""
+    dist_of: dict[tuple[int, str], int] = {}
+    for r, g in dist.ranks.items():
+        idx = g.index()
+        frontier, d = list(roots.get(r, ())), 0
+        while frontier:
+            nxt = []
+            for x in frontier:
+                if (r, x) in dist_of:
+                    continue
+                dist_of[(r, x)] = d
+                n = idx.get(x)
+                if isinstance(n, Node):
+                    nxt.extend(n.tensor_args())
+            frontier, d = nxt, d + 1
+    return dist_of

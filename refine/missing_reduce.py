@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from refine.evaluate import EvalError, eval_graph, eval_ranks, instantiate, random_inputs, valuation
-from refine.factor import _outputs_ok, _rank_outputs
+from refine.factor import _outputs_ok, _rank_outputs, distances
 from refine.ir import Dist, Graph, Node, case_symbols
 from refine.opset import Registry
 
@@ -76,22 +76,7 @@ def missing_reduce(seq: Graph, dist: Dist, registry: Registry, failing: list[str
         seq_vals = eval_graph(seq, registry, seq_in)
     except (EvalError, RuntimeError, ValueError, KeyError):
         return None
-    # distance (in ops) of each rank node from the failing outputs
-    dist_of: dict[tuple[int, str], int] = {}
-    for r, g in dist.ranks.items():
-        idx = g.index()
-        frontier = [o.ref for o in g.outputs if o.name in failing]
-        d = 0
-        while frontier:
-            nxt = []
-            for x in frontier:
-                if (r, x) in dist_of:
-                    continue
-                dist_of[(r, x)] = d
-                n = idx.get(x)
-                if isinstance(n, Node):
-                    nxt.extend(n.tensor_args())
-            frontier, d = nxt, d + 1
+    dist_of = distances(dist, {r: [o.ref for o in g.outputs if o.name in failing] for r, g in dist.ranks.items()})
     # candidate lines: the values each line makes on the ranks (its nodes read by another
     # line or returned), computed ones (not collectives)
     lines: dict[str, list[tuple[int, Node]]] = {}

@@ -181,18 +181,23 @@ def _dim(d: int, ndim: int) -> int:
     return d % max(ndim, 1)
 
 
-def _slice(em: Emitter, node: Any, a: dict[str, Any]) -> str:
-    x = em.value(a["self"])
-    shape = em.type(x).shape
+def _bounds(a: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """A slice's (dim, start, end) as torch reads them: negative and out-of-range ends clamped."""
     d = _dim(a["dim"], len(shape))
     n = shape[d]
     start = 0 if a["start"] is None else a["start"]
     end = n if a["end"] is None else a["end"]
     start = max(0, min(n, start + n if start < 0 else start))
-    end = max(start, min(n, end + n if end < 0 else end))
+    return d, start, max(start, min(n, end + n if end < 0 else end))
+
+
+def _slice(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+    x = em.value(a["self"])
+    shape = em.type(x).shape
+    d, start, end = _bounds(a, shape)
     if (a.get("step") or 1) != 1:
         raise em.fail(f"slice with step {a['step']}: refine slices take step 1")
-    if start == 0 and end == n:
+    if start == 0 and end == shape[d]:
         return x
     return em.emit("slice", [x], {"dim": d, "start": start, "end": end})
 
@@ -337,12 +342,8 @@ def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     of a slice), as a concat of x's pieces around src."""
     x, src = em.value(a["self"]), em.value(a["src"])
     shape = em.type(x).shape
-    d = _dim(a["dim"], len(shape))
+    d, start, end = _bounds(a, shape)
     n = shape[d]
-    start = 0 if a["start"] is None else a["start"]
-    end = n if a["end"] is None else a["end"]
-    start = max(0, min(n, start + n if start < 0 else start))
-    end = max(start, min(n, end + n if end < 0 else end))
     if (a.get("step") or 1) != 1:
         raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
 
