@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from refine.expr import Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Relation, case_symbols
+from refine.ir import Dist, Graph, Placement, Relation, case_symbols
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -76,7 +77,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
             expect = f"{local} on every rank, placed [{', '.join(map(str, pl))}]"
             results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
         else:
-            results.append(_default(out.name, out.role, rel, prog, engine, registry))
+            results.append(_default(out.name, out.role, rel, prog, engine, registry, dist, seq_core))
     refines = all(r.ok for r in results)
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
@@ -126,14 +127,43 @@ def _explicit(name: str, role: str, rel: Term, wanted: list[Term], expect: str, 
     return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail, local)
 
 
-def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
-             registry: Registry) -> OutputResult:
+def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine, registry: Registry,
+             dist: Dist, seq: Graph) -> OutputResult:
+    """An output without an expectation. Made by every rank under its own name, it must be
+    placed on the ranks' copies in one of the standard ways (each mesh axis Replicate,
+    Shard, Partial sum or the ranks' mean): "reconstructible somehow" would accept a loss
+    halved on every rank (`2 * loss@0`) or one rank's copy alone with the others wrong.
+    Otherwise (only some ranks make it) it must be reconstructible from rank outputs."""
     tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    if all(any(o.name == name for o in g.outputs) for g in dist.ranks.values()):
+        ndim = len(seq.type_of(seq.output(name).ref).shape)
+        kinds = [Placement("replicate"), Placement("partial"), Placement("partial", reduce="avg"),
+                 *(Placement("shard", d) for d in range(ndim))]
+        options = [(pl, [_as_out(t) for t in placed_terms(lambda r: f"{name}@{r}", pl, dist.mesh)])
+                   for pl in itertools.product(kinds, repeat=len(dist.mesh.axes))]
+        res = engine.step(rel, prog, registry, tensors, checks=[t for _, ts in options for t in ts])
+        got, i = None, 0
+        for pl, ts in options:
+            if got is None and all(res.checks[i:i + len(ts)]):
+                got = pl
+            i += len(ts)
+        expect = "placed on every rank's copy in a standard way (no expectation given)"
+        if got is None:
+            detail = "no clean relation" if not res.clean else \
+                f"not {name} on every rank placed Replicate, Shard, Partial or as the ranks' mean"
+            return OutputResult(name, role, str(res.best), res.clean, expect, False, detail, name)
+        return OutputResult(name, role, str(res.best), res.clean,
+                            f"{name} on every rank, placed [{', '.join(_placement_name(p) for p in got)}] "
+                            "(no expectation given: the first standard placement that holds)", True, "", name)
     res = engine.step(rel, prog, registry, tensors)
     from_outputs = res.clean and all(t == "Out" for t in _leaf_ops(res.best))
     detail = "" if from_outputs else (
         "no clean relation" if not res.clean else "only related to rank intermediates, not to rank outputs")
     return OutputResult(name, role, str(res.best), res.clean, "reconstructible from rank outputs", from_outputs, detail)
+
+
+def _placement_name(p: Placement) -> str:
+    return "mean" if p.reduce == "avg" else str(p)
 
 
 def _leaf_ops(t: Term) -> list[str]:

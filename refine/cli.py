@@ -230,8 +230,8 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
     for o in seq_g.outputs:
         if o.name not in explicit:
             console.print(f"note: output {o.name!r} has no expectation in {dist}: the check only asks that it be "
-                          "reconstructible from rank outputs (e.g. 2 * loss@0, or one rank's copy), so a bug on one "
-                          "rank's copy or a constant factor can REFINE; the evaluation compares every rank's "
+                          "placed on every rank's copy in some standard way (Replicate, Shard, Partial or the mean), "
+                          "so a bug the placement cannot tell (a loss scaled into a partial sum) can REFINE; the evaluation compares every rank's "
                           f"{o.name!r} (Replicate)", highlight=False, markup=False)
 
     def show(o: object) -> None:

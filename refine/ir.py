@@ -143,7 +143,7 @@ class Expectation:
     e.g. the loss of a pipeline's last stage."""
 
     output: str  # sequential output name
-    local: str | None = None  # rank output name; None: reconstructible from rank outputs
+    local: str | None = None  # rank output name; None: the same name (see refine.check._default)
     placements: tuple[Placement, ...] | None = None
     layout: tuple[Any, ...] | None = None  # refine.expr terms over rank outputs, each equal to the output
     where: str = ""

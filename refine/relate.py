@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 
-from refine.expr import OPAQUE, Term, cat, cat_parts, leaf, nary
+from refine.expr import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
 from refine.format import InputError
 from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
 from refine.normalize import lower
@@ -302,6 +303,8 @@ def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...
             parts = [build(axis + 1, coords + (c,)) for c in range(mesh.axes[axis][1])]
             if p.kind == "shard":
                 return cat(parts, p.dim)  # type: ignore[arg-type]
+            if p.reduce == "avg":  # the mean of the ranks' values (only the checker's default asks this)
+                return scale(nary("Sum", parts), Fraction(1, len(parts)))
             return nary("Max" if p.reduce == "max" else "Sum", parts)
 
         out.append(build(0, ()))

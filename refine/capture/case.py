@@ -337,7 +337,8 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
             pl = derived
         elif pl is None or any(x.startswith("Partial") for x in pl):
             notes.append(f"{p}.grad: no expected placement ({p!r} is not placed by Replicate/Shard); it must be "
-                         "reconstructible from the rank outputs")
+                         "checked by the default: a standard placement of the ranks' copies, or reconstructible from the rank "
+                         "outputs when the names differ")
             continue
         ex: dict[str, Any] = {"output": f"{p}.grad", "placements": pl}
         if local != p:
