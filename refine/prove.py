@@ -618,13 +618,21 @@ def _in_ruleset(text: str, ruleset: str) -> str:
 
 
 class _Emitter:
-    """SSA-style egglog text: one `let` per distinct subterm, shapes from Python's types."""
+    """SSA-style egglog text: one `let` per distinct subterm of the sequential term and the
+    facts, shapes from Python's types. egglog runs each command at a fixed cost (~40 us; a
+    `let` also declares a table that every later push copies), so a definition is one
+    `union` with its term inline, and a statement that repeats one already emitted (the
+    ranks' replicas of a definition read the same class representatives) is not emitted
+    again: adding an e-node or a union the e-graph already holds changes nothing."""
 
     def __init__(self, sorts: dict[str, tuple[str, ...]], prog: DistProgram, registry: Registry,
                  py: bool = False) -> None:
         self.sorts, self.prog, self.registry, self.py = sorts, prog, registry, py
         self.lines: list[str] = []
+        self.emitted: set[str] = set()  # the definitions' unions (define)
         self.names: dict[Term, str] = {}
+        self.texts: dict[str, str] = {}  # a let's term text -> its name (two Terms may print alike)
+        self.typed: set[str] = set()  # let names whose shape is set
         self.shaped: set[str] = set()
         self.opaque: set[str] = set()
         self.defined: list[str] = []  # tensors whose definitions the program states, in order
@@ -643,7 +651,10 @@ class _Emitter:
         lhs = self.leaf(name)
         if d is not None:
             self.defined.append(name)
-            self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
+            line = f"(union {lhs} {self.term(d, typed=False, inline=True)})"
+            if line not in self.emitted:
+                self.emitted.add(line)
+                self.lines.append(line)
 
     def facts(self) -> int:
         """State every fact of the program (DistProgram.facts) that names a rank tensor the
@@ -682,10 +693,13 @@ class _Emitter:
             text = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
         if inline:
             return text
-        name = f"$__t{len(self.names)}"
+        name = self.texts.get(text)
+        if name is None:
+            name = self.texts[text] = f"$__t{len(self.texts)}"
+            self.lines.append(f"(let {name} {text})")
         self.names[t] = name
-        self.lines.append(f"(let {name} {text})")
-        if typed:
+        if typed and name not in self.typed:
+            self.typed.add(name)
             shape = term_type(t, self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV', self.py)})")
         return name
