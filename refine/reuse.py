@@ -97,32 +97,41 @@ def _flat_cats(args: tuple[Term, ...], dim: Any) -> tuple[Term, ...]:
     return tuple(out)
 
 
+_NAMED = frozenset({"D", OPAQUE})
+
+
 def _name(t: Term) -> Name | None:
-    return (t.op, t.attrs[0]) if t.op in ("D", OPAQUE) else None
+    return (t.op, t.attrs[0]) if t.op in _NAMED else None
 
 
 def rename(t: Term, pi: dict[Name, str]) -> Term:
     """`t` with its rank tensors and opaque leaves renamed (KeyError: a name pi lacks)."""
-    n = _name(t)
-    if n is not None:
-        return Term(t.op, (), (pi[n],))
-    return Term(t.op, tuple(rename(a, pi) for a in t.args), t.attrs) if t.args else t
+    op = t.op
+    if op in _NAMED:
+        return Term(op, (), (pi[(op, t.attrs[0])],))
+    return Term(op, tuple([rename(a, pi) for a in t.args]), t.attrs) if t.args else t
 
 
 def _match(a: Term, b: Term, pi: dict[Name, str], ext: dict[Name, str]) -> bool:
     """Extend `ext` (over `pi`) so that `a` renamed is `b`."""
-    na, nb = _name(a), _name(b)
-    if na is not None or nb is not None:
-        if na is None or nb is None or na[0] != nb[0]:
-            return False
-        have = pi.get(na, ext.get(na))
-        if have is None:
-            ext[na] = nb[1]
-            return True
-        return have == nb[1]
-    if a.op != b.op or a.attrs != b.attrs or len(a.args) != len(b.args):
+    op = a.op
+    if op != b.op:  # a name against anything but a name of its kind too
         return False
-    return all(_match(x, y, pi, ext) for x, y in zip(a.args, b.args, strict=True))
+    if op in _NAMED:
+        na = (op, a.attrs[0])
+        have = pi.get(na)
+        if have is None:
+            have = ext.get(na)
+            if have is None:
+                ext[na] = b.attrs[0]
+                return True
+        return have == b.attrs[0]
+    if a.attrs != b.attrs or len(a.args) != len(b.args):
+        return False
+    for x, y in zip(a.args, b.args):  # noqa: B905 - the lengths are equal
+        if not _match(x, y, pi, ext):
+            return False
+    return True
 
 
 class Replayer:
