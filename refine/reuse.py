@@ -272,17 +272,18 @@ class Replayer:
         renamed inputs are in (a constant with no inputs: r itself); inputs not renamed yet
         are renamed after the first such user that does not reuse a name already taken."""
         prog, find = self.prog, self.prog.same.find
-        mapped = sorted(x for x in d.leaves() if ("D", x) in pi)
+        leaves = d.leaves()
+        mapped = sorted(x for x in leaves if ("D", x) in pi)
         if not mapped:
-            return find(r) if not d.leaves() else None
+            return find(r) if not leaves else None
         taken = set(pi.values())
         # the users of the renamed input with the fewest (not a tensor every layer reads)
         users = min(([u for m in prog.same.group(pi[("D", x)]) for u in prog.users.get(m, ())] for x in mapped), key=len)
         # first the tensor itself, over the inputs not renamed yet (a user of a tensor every
         # layer shares, kept from the earlier layer), then any user that matches
-        same = {("D", x): find(x) for x in d.leaves() if ("D", x) not in pi}
+        same = {("D", x): find(x) for x in leaves if ("D", x) not in pi}
         if len(set(same.values())) == len(same) and not taken & set(same.values()) and find(r) not in taken:
-            want = rename(d, pi | same)
+            want = rename(d, pi | same if same else pi)
             if any(self._def(y) == want for y in prog.same.group(r)):
                 pi.update(same)
                 return find(r)
