@@ -232,7 +232,7 @@ class Engine:
         root = em.term(seq, typed=True)
         told = em.facts()
         em.lines.append(f"(let $__seq {root})")
-        em.lines.append("(let $__mark (Mark $__seq))")
+        em.lines.append("(Mark $__seq)")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
         canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
         key = hashlib.sha256(f"{iterations}\n{canon}".encode()).hexdigest() if iterations else \
@@ -617,6 +617,9 @@ def _in_ruleset(text: str, ruleset: str) -> str:
     return text[:-1] + f" :ruleset {ruleset})"
 
 
+INLINE_CHARS = 2000  # a typed term up to this long is written out in full, a longer one named by a let
+
+
 class _Emitter:
     """SSA-style egglog text: one `let` per distinct subterm of the sequential term and the
     facts, shapes from Python's types. egglog runs each command at a fixed cost (~40 us; a
@@ -632,7 +635,7 @@ class _Emitter:
         self.emitted: set[str] = set()  # the definitions' unions (define)
         self.names: dict[Term, str] = {}
         self.texts: dict[str, str] = {}  # a let's term text -> its name (two Terms may print alike)
-        self.typed: set[str] = set()  # let names whose shape is set
+        self.typed: set[str] = set()  # let names and term texts whose shape is set
         self.shaped: set[str] = set()
         self.opaque: set[str] = set()
         self.defined: list[str] = []  # tensors whose definitions the program states, in order
@@ -692,6 +695,15 @@ class _Emitter:
             attrs = [lit(a, s, self.py) for a, s in zip(t.attrs, self.sorts[t.op], strict=True)]
             text = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
         if inline:
+            return text
+        if typed and len(text) <= INLINE_CHARS:
+            # stated by setting its shape: the e-node is made where a `let` would make it,
+            # and no global (a table each step's e-graph would carry) is declared
+            if text not in self.typed:
+                self.typed.add(text)
+                shape = term_type(t, self.prog, self.registry).shape
+                self.lines.append(f"(set (shape {text}) {lit(shape, 'IV', self.py)})")
+            self.names[t] = text
             return text
         name = self.texts.get(text)
         if name is None:
