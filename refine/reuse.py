@@ -283,10 +283,14 @@ class Replayer:
         # layer shares, kept from the earlier layer), then any user that matches
         same = {("D", x): find(x) for x in leaves if ("D", x) not in pi}
         if len(set(same.values())) == len(same) and not taken & set(same.values()) and find(r) not in taken:
-            want = rename(d, pi | same if same else pi)
-            if any(self._def(y) == want for y in prog.same.group(r)):
-                pi.update(same)
-                return find(r)
+            # renaming keeps the op and attributes: only a definition with d's can be equal
+            defs = [dy for y in prog.same.group(r) if (dy := self._def(y)) is not None
+                    and dy.op == d.op and dy.attrs == d.attrs]
+            if defs:
+                want = rename(d, pi | same if same else pi)
+                if any(dy == want for dy in defs):
+                    pi.update(same)
+                    return find(r)
         for u in users:
             du = self._def(u)
             ext: dict[Name, str] = {}
