@@ -242,6 +242,10 @@ class Replayer:
                         rest.append((r, d))
                         continue
                     pi[("D", r)] = y
+                    if d.leaves():
+                        # found by matching d, every input renamed, against a definition in
+                        # y's class: _match_def would find that match again and change nothing
+                        continue
                 if not self._match_def(r, d, pi):
                     return None
             if len(rest) == len(todo):
