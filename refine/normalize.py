@@ -58,8 +58,11 @@ class Builder:
             return self.memo[key]
         if key is not None:
             self.memo[key] = name
-        self.graph.nodes.append(Node(name, op, list(args), attrs, out, self.source, self.origin))
-        self.graph._index = None
+        node = Node(name, op, list(args), attrs, out, self.source, self.origin)
+        self.graph.nodes.append(node)
+        index = self.graph._index
+        if index is not None:  # kept up to date: rebuilt at every emit, lowering was quadratic
+            index[name] = node
         return name
 
     # conveniences for decompositions

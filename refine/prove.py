@@ -232,7 +232,7 @@ class Engine:
         root = em.term(seq, typed=True)
         told = em.facts()
         em.lines.append(f"(let $__seq {root})")
-        em.lines.append("(let $__mark (Mark $__seq))")
+        em.lines.append("(Mark $__seq)")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
         canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
         key = hashlib.sha256(f"{iterations}\n{canon}".encode()).hexdigest() if iterations else \
@@ -617,14 +617,25 @@ def _in_ruleset(text: str, ruleset: str) -> str:
     return text[:-1] + f" :ruleset {ruleset})"
 
 
+INLINE_CHARS = 2000  # a typed term up to this long is written out in full, a longer one named by a let
+
+
 class _Emitter:
-    """SSA-style egglog text: one `let` per distinct subterm, shapes from Python's types."""
+    """SSA-style egglog text: one `let` per distinct subterm of the sequential term and the
+    facts, shapes from Python's types. egglog runs each command at a fixed cost (~40 us; a
+    `let` also declares a table that every later push copies), so a definition is one
+    `union` with its term inline, and a statement that repeats one already emitted (the
+    ranks' replicas of a definition read the same class representatives) is not emitted
+    again: adding an e-node or a union the e-graph already holds changes nothing."""
 
     def __init__(self, sorts: dict[str, tuple[str, ...]], prog: DistProgram, registry: Registry,
                  py: bool = False) -> None:
         self.sorts, self.prog, self.registry, self.py = sorts, prog, registry, py
         self.lines: list[str] = []
+        self.emitted: set[str] = set()  # the definitions' unions (define)
         self.names: dict[Term, str] = {}
+        self.texts: dict[str, str] = {}  # a let's term text -> its name (two Terms may print alike)
+        self.typed: set[str] = set()  # let names and term texts whose shape is set
         self.shaped: set[str] = set()
         self.opaque: set[str] = set()
         self.defined: list[str] = []  # tensors whose definitions the program states, in order
@@ -643,7 +654,10 @@ class _Emitter:
         lhs = self.leaf(name)
         if d is not None:
             self.defined.append(name)
-            self.lines.append(f"(union {lhs} {self.term(d, typed=False)})")
+            line = f"(union {lhs} {self.term(d, typed=False, inline=True)})"
+            if line not in self.emitted:
+                self.emitted.add(line)
+                self.lines.append(line)
 
     def facts(self) -> int:
         """State every fact of the program (DistProgram.facts) that names a rank tensor the
@@ -682,10 +696,22 @@ class _Emitter:
             text = f"({t.op} {' '.join(args + attrs)})" if args or attrs else f"({t.op})"
         if inline:
             return text
-        name = f"$__t{len(self.names)}"
+        if typed and len(text) <= INLINE_CHARS:
+            # stated by setting its shape: the e-node is made where a `let` would make it,
+            # and no global (a table each step's e-graph would carry) is declared
+            if text not in self.typed:
+                self.typed.add(text)
+                shape = term_type(t, self.prog, self.registry).shape
+                self.lines.append(f"(set (shape {text}) {lit(shape, 'IV', self.py)})")
+            self.names[t] = text
+            return text
+        name = self.texts.get(text)
+        if name is None:
+            name = self.texts[text] = f"$__t{len(self.texts)}"
+            self.lines.append(f"(let {name} {text})")
         self.names[t] = name
-        self.lines.append(f"(let {name} {text})")
-        if typed:
+        if typed and name not in self.typed:
+            self.typed.add(name)
             shape = term_type(t, self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV', self.py)})")
         return name

@@ -30,6 +30,8 @@ class UnionFind:
         return self.members.get(self.find(x), [x])
 
     def find(self, x: str) -> str:
+        if x not in self.parent:  # a class's representative, or a tensor in no union: most calls
+            return x
         root = x
         while self.parent.get(root, root) != root:
             root = self.parent[root]

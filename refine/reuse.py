@@ -97,32 +97,41 @@ def _flat_cats(args: tuple[Term, ...], dim: Any) -> tuple[Term, ...]:
     return tuple(out)
 
 
+_NAMED = frozenset({"D", OPAQUE})
+
+
 def _name(t: Term) -> Name | None:
-    return (t.op, t.attrs[0]) if t.op in ("D", OPAQUE) else None
+    return (t.op, t.attrs[0]) if t.op in _NAMED else None
 
 
 def rename(t: Term, pi: dict[Name, str]) -> Term:
     """`t` with its rank tensors and opaque leaves renamed (KeyError: a name pi lacks)."""
-    n = _name(t)
-    if n is not None:
-        return Term(t.op, (), (pi[n],))
-    return Term(t.op, tuple(rename(a, pi) for a in t.args), t.attrs) if t.args else t
+    op = t.op
+    if op in _NAMED:
+        return Term(op, (), (pi[(op, t.attrs[0])],))
+    return Term(op, tuple([rename(a, pi) for a in t.args]), t.attrs) if t.args else t
 
 
 def _match(a: Term, b: Term, pi: dict[Name, str], ext: dict[Name, str]) -> bool:
     """Extend `ext` (over `pi`) so that `a` renamed is `b`."""
-    na, nb = _name(a), _name(b)
-    if na is not None or nb is not None:
-        if na is None or nb is None or na[0] != nb[0]:
-            return False
-        have = pi.get(na, ext.get(na))
-        if have is None:
-            ext[na] = nb[1]
-            return True
-        return have == nb[1]
-    if a.op != b.op or a.attrs != b.attrs or len(a.args) != len(b.args):
+    op = a.op
+    if op != b.op:  # a name against anything but a name of its kind too
         return False
-    return all(_match(x, y, pi, ext) for x, y in zip(a.args, b.args, strict=True))
+    if op in _NAMED:
+        na = (op, a.attrs[0])
+        have = pi.get(na)
+        if have is None:
+            have = ext.get(na)
+            if have is None:
+                ext[na] = b.attrs[0]
+                return True
+        return have == b.attrs[0]
+    if a.attrs != b.attrs or len(a.args) != len(b.args):
+        return False
+    for x, y in zip(a.args, b.args):  # noqa: B905 - the lengths are equal
+        if not _match(x, y, pi, ext):
+            return False
+    return True
 
 
 class Replayer:
@@ -233,6 +242,10 @@ class Replayer:
                         rest.append((r, d))
                         continue
                     pi[("D", r)] = y
+                    if d.leaves():
+                        # found by matching d, every input renamed, against a definition in
+                        # y's class: _match_def would find that match again and change nothing
+                        continue
                 if not self._match_def(r, d, pi):
                     return None
             if len(rest) == len(todo):
@@ -263,20 +276,25 @@ class Replayer:
         renamed inputs are in (a constant with no inputs: r itself); inputs not renamed yet
         are renamed after the first such user that does not reuse a name already taken."""
         prog, find = self.prog, self.prog.same.find
-        mapped = sorted(x for x in d.leaves() if ("D", x) in pi)
+        leaves = d.leaves()
+        mapped = sorted(x for x in leaves if ("D", x) in pi)
         if not mapped:
-            return find(r) if not d.leaves() else None
+            return find(r) if not leaves else None
         taken = set(pi.values())
         # the users of the renamed input with the fewest (not a tensor every layer reads)
         users = min(([u for m in prog.same.group(pi[("D", x)]) for u in prog.users.get(m, ())] for x in mapped), key=len)
         # first the tensor itself, over the inputs not renamed yet (a user of a tensor every
         # layer shares, kept from the earlier layer), then any user that matches
-        same = {("D", x): find(x) for x in d.leaves() if ("D", x) not in pi}
+        same = {("D", x): find(x) for x in leaves if ("D", x) not in pi}
         if len(set(same.values())) == len(same) and not taken & set(same.values()) and find(r) not in taken:
-            want = rename(d, pi | same)
-            if any(self._def(y) == want for y in prog.same.group(r)):
-                pi.update(same)
-                return find(r)
+            # renaming keeps the op and attributes: only a definition with d's can be equal
+            defs = [dy for y in prog.same.group(r) if (dy := self._def(y)) is not None
+                    and dy.op == d.op and dy.attrs == d.attrs]
+            if defs:
+                want = rename(d, pi | same if same else pi)
+                if any(dy == want for dy in defs):
+                    pi.update(same)
+                    return find(r)
         for u in users:
             du = self._def(u)
             ext: dict[Name, str] = {}

@@ -13,7 +13,7 @@ import pytest
 
 from refine import prove
 from refine.check import check_files, engine_for
-from refine.opset import load_registry
+from refine.opset import end_of_atom, load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -91,3 +91,58 @@ def test_lazy_torch_calls_torch() -> None:
     x = torch.tensor([1.0, -2.0], dtype=torch.float64)  # a dtype read before the call, resolved
     assert x.dtype == torch.float64
     assert F.relu(x).tolist() == [1.0, 0.0]
+
+
+def _with_lets(program: str) -> str:
+    """`program` as the engine wrote it before it inlined terms: every compound term a set
+    shape or a union states bound by a `let` first, the mark a `let` too, and every union
+    stated twice (the ranks' replicas of a definition used to repeat it)."""
+    out: list[str] = []
+    k = 0
+    for line in program.split("\n"):
+        head = next((h for h in ("(set (shape ", "(union ") if line.startswith(h)), None)
+        if line == "(Mark $__seq)":
+            out.append("(let $__mark (Mark $__seq))")
+            continue
+        if head is None:
+            out.append(line)
+            continue
+        at = len(head)
+        first = end_of_atom(line, at)
+        if head == "(union ":
+            at = first + 1
+            first = end_of_atom(line, at)
+        term = line[at:first]
+        if term.startswith(("(D ", "(Out ", "(Opq ")) or not term.startswith("("):
+            out.append(line)
+        else:
+            out.append(f"(let $__l{k} {term})")
+            out.append(line[:at] + f"$__l{k}" + line[first:])
+            k += 1
+        if head == "(union ":
+            out.append(out[-1])
+    return "\n".join(out)
+
+
+def test_inline_terms_give_every_step_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's program writes its terms out in full (one global, `$__seq`) and states a
+    repeated definition once: each step solved again from the program with a `let` per
+    term and every union twice gives the same best term, cost, tensors found, checks and
+    rules fired."""
+    compared = []
+    solve = prove.Engine._solve
+
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS):  # noqa: ANN202
+        inline = solve(self, program, checks, iterations)
+        assert program.count("(let ") == 1 and "(let $__seq " in program
+        lets = _with_lets(program)
+        assert lets.count("(let ") > 1 or "(set (shape (" not in program.replace("(set (shape (D ", "")
+        compared.append(inline == solve(self, lets, checks, iterations))
+        return inline
+
+    monkeypatch.setattr(prove.Engine, "_solve", both)
+    engine = engine_for(load_registry())
+    monkeypatch.setattr(engine, "cache", {})
+    for case in ("tp_attention_4ranks", "vocab_embedding_4ranks", "tp_mlp_bug_bias_before_sum"):
+        check_files(MODELS / case / "seq.json", MODELS / case / "dist.json")
+    assert len(compared) > 10 and all(compared)
