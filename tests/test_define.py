@@ -168,3 +168,50 @@ def test_defines_are_checked_a_group_at_a_time(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="contradicts") as e:
         _load(*_case(tmp_path / "bad", bad))
     assert e.value.where == "$.relations[4].as"
+
+
+def _rotary_case(tmp_path: Path, swap: bool = False) -> tuple[Path, Path]:
+    """y = (x @ wq) * expand(c): six one-column heads over 2 ranks of 4, rank 1's last two
+    padding (aws_llama TP6's rotary, small: a padded rank's query heads times the
+    replicated cos broadcast to its head count). The sequential product reads rank 1's real
+    heads, `slice(y@1, 1, 0, 2)`, which only the rank's own product over all its heads
+    names. With `swap`, rank 1 multiplies the cos with its heads reversed (padding first)."""
+    s = GraphBuilder()
+    x, wq, c = s.input("x", [8, 4]), s.input("wq", [4, 6], role="parameter"), s.input("c", [8, 1])
+    q = s.op("matmul", x, wq, name="q")
+    s.output("y", s.op("mul_t", s.op("expand", c, name="cb", shape=[8, 6]), q, name="y"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        x, wq, c = d.input("x", [8, 4]), d.input("wq", [4, 4], role="parameter"), d.input("c", [8, 1])
+        q = d.op("matmul", x, wq, name="q")
+        if swap and r == 1:
+            q = d.op("cat", d.op("slice", q, name="pad", dim=1, start=2, end=4),
+                     d.op("slice", q, name="real", dim=1, start=0, end=2), name="swapped", dim=1)
+        d.output("y", d.op("mul_t", d.op("expand", c, name="cb", shape=[8, 4]), q, name="y"))
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [
+        {"from": "x", "placements": ["Replicate"]},
+        {"from": "c", "placements": ["Replicate"]},
+        {"from": "wq", "layout": "cat(wq@0, slice(wq@1, 1, 0, 2), dim=1)"},
+        {"define": "wq@1", "as": "cat(slice(wq, 1, 4, 6), zeros([4, 2]), dim=1)"},
+    ]
+    exp = [{"output": "y", "layout": ["cat(y@0, slice(y@1, 1, 0, 2), dim=1)"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, exp))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def test_padded_heads_times_a_replicated_broadcast_refine(tmp_path: Path) -> None:
+    """rules/fused.py's mul_t-of-slices: the product of rank 1's real heads with the cos is
+    the slice of its whole product (without the rule no term names that slice)."""
+    seq_path, dist_path = _rotary_case(tmp_path)
+    report = check_files(seq_path, dist_path)
+    assert report.refines, str(report)
+
+
+def test_padded_heads_in_the_wrong_order_do_not_refine(tmp_path: Path) -> None:
+    seq_path, dist_path = _rotary_case(tmp_path, swap=True)
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
