@@ -215,3 +215,61 @@ def test_padded_heads_in_the_wrong_order_do_not_refine(tmp_path: Path) -> None:
     assert not report.refines, str(report)
     seq, dist = _load(seq_path, dist_path)
     assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
+
+
+WK0 = "cat(slice(wk, 1, 0, 2), slice(wk, 1, 0, 2), slice(wk, 1, 2, 4), dim=1)"
+
+
+def _gqa_case(tmp_path: Path, wk0: str = WK0) -> tuple[Path, Path]:
+    """Scores q @ k^T of 6 query heads over 3 KV heads (groups of 2) on 2 ranks of 3 query
+    heads (aws_llama TP6's copies, small and without the rotary): each rank's key weight
+    holds one copy of the KV head of each local query head (rank 0: 0, 0, 1; rank 1: 1, 2,
+    2), stated by defines; the layout reads each KV head from its first holder. KV head 1
+    straddles the ranks, and head 0's second copy on rank 0 is read by no layout."""
+    t, h, hd = 8, 4, 2
+    s = GraphBuilder()
+    x, wq, wk = s.input("x", [t, h]), s.input("wq", [h, 12], role="parameter"), s.input("wk", [h, 6], role="parameter")
+    q = s.op("transpose", s.op("view", s.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 6, hd]),
+             name="qt", dim0=0, dim1=1)
+    k = s.op("view", s.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, 1, hd])
+    k = s.op("view", s.op("expand", k, name="ke", shape=[t, 3, 2, hd]), name="kv2", shape=[t, 6, hd])
+    k = s.op("transpose", s.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
+    s.output("sc", s.op("matmul", q, k, name="sc"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        x, wq, wk = d.input("x", [t, h]), d.input("wq", [h, 6], role="parameter"), d.input("wk", [h, 6], role="parameter")
+        q = d.op("transpose", d.op("view", d.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 3, hd]),
+                 name="qt", dim0=0, dim1=1)
+        k = d.op("view", d.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, hd])
+        k = d.op("transpose", d.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
+        d.output("sc", d.op("matmul", q, k, name="sc"))
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [
+        {"from": "x", "placements": ["Replicate"]},
+        {"from": "wq", "layout": "cat(wq@0, wq@1, dim=1)"},
+        {"from": "wk", "layout": "cat(slice(wk@0, 1, 0, 2), slice(wk@0, 1, 4, 6), slice(wk@1, 1, 2, 4), dim=1)"},
+        {"define": "wk@0", "as": wk0},
+        {"define": "wk@1", "as": "cat(slice(wk, 1, 2, 4), slice(wk, 1, 4, 6), slice(wk, 1, 4, 6), dim=1)"},
+    ]
+    exp = [{"output": "sc", "layout": ["cat(sc@0, sc@1, dim=0)"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, exp))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def test_copied_kv_heads_over_uneven_ranks_refine(tmp_path: Path) -> None:
+    seq_path, dist_path = _gqa_case(tmp_path)
+    report = check_files(seq_path, dist_path)
+    assert report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [True]
+
+
+def test_a_kv_copy_of_the_wrong_head_does_not_refine(tmp_path: Path) -> None:
+    """Rank 0's second local head holds KV head 1 instead of a copy of 0: no layout reads
+    that copy, so the defines load, and the scores are wrong."""
+    seq_path, dist_path = _gqa_case(tmp_path, "cat(slice(wk, 1, 0, 2), slice(wk, 1, 2, 4), slice(wk, 1, 2, 4), dim=1)")
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
