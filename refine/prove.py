@@ -699,6 +699,7 @@ class _Emitter:
 FACT_DEPTH = 10  # uses after a fact's leaves where a slice may cut out what the facts cover
 FACT_RETRY = 12  # definitions back from a failed step's tensors to a fact's leaf (infer's retry)
 FACT_ITERATIONS = 24  # and that retry's rule iterations
+FACT_RETRY_TENSORS = 128  # no retry over more tensors: aws_llama TP6's scores (266) ran 6 min CPU, 5.6 GB, unfinished
 
 
 def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
@@ -1085,7 +1086,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 # chains from the facts' leaves through every op, and more iterations; the
                 # first result stays when this one is no better (the culprit's report)
                 more = frontier(prog, _with_replicas(prog, leaves), known | cps, tries[-1], cps, fact_depth=FACT_RETRY)
-                if _reads_fact(prog, more):
+                if len(more) <= FACT_RETRY_TENSORS and _reads_fact(prog, more):
                     # no early stop: the chains' rewrites make the best term no cheaper for
                     # many iterations before the copies meet
                     again = engine.step(term, prog, registry, more, iterations=FACT_ITERATIONS, early=False)
