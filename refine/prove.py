@@ -229,7 +229,7 @@ class Engine:
         return out
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
-             checks: Iterable[Term] = (), iterations: int = 0) -> StepResult:
+             checks: Iterable[Term] = (), iterations: int = 0, early: bool = True) -> StepResult:
         """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
         and whether each of `checks` was proven equal to it.
@@ -237,7 +237,7 @@ class Engine:
         Leaf names only say which tensors are the same, so a step is run on its program
         with the names replaced by their order of appearance, and its result is kept under
         that text: a repeated layer (same ops, shapes and relations over other tensors) is
-        proven once and its result renamed, not recomputed."""
+        proven once and its result renamed, not recomputed. `early`: EARLY_STOP applies."""
         t0 = time.perf_counter()
         em = _Emitter(self.sorts, prog, registry, self.symbolic)
         for name in tensors:
@@ -252,12 +252,13 @@ class Engine:
         em.lines.append("(Mark $__seq)")
         check_texts = [em.term(c, typed=False, inline=True) for c in checks]
         canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
-        key = hashlib.sha256(f"{iterations}\n{canon}".encode()).hexdigest() if iterations else \
+        key = hashlib.sha256(f"{iterations}{'' if early else ' late'}\n{canon}".encode()).hexdigest() \
+            if iterations or not early else \
             hashlib.sha256(canon.encode()).hexdigest()
         hit = self.cache.get(key)
         if hit is None:
             program, _, check_part = canon.partition("\n;checks\n")
-            hit = self._solve(program, check_part.split("\n") if check_texts else [], iterations or ITERATIONS)
+            hit = self._solve(program, check_part.split("\n") if check_texts else [], iterations or ITERATIONS, early)
             if len(self.cache) >= CACHE_SIZE:
                 self.cache.pop(next(iter(self.cache)))
             self.cache[key] = hit
@@ -277,7 +278,7 @@ class Engine:
             if not check_texts and not told else None
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
-    def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS) -> _Solved:
+    def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS, early: bool = True) -> _Solved:
         # the rules whose queries can match in this e-graph (_Declarations.closure): any
         # other never fires, so the step's e-graph and result are the same without them
         told = program + "\n" + "\n".join(checks)
@@ -285,7 +286,7 @@ class Engine:
         self._run("(push)", eg)
         try:
             self._run(program, eg)
-            fired, best_out = self._saturate(iterations, early=EARLY_STOP and not checks, eg=eg)
+            fired, best_out = self._saturate(iterations, early=EARLY_STOP and early and not checks, eg=eg)
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
@@ -745,6 +746,9 @@ class _Emitter:
 
 
 FACT_DEPTH = 10  # uses after a fact's leaves where a slice may cut out what the facts cover
+FACT_RETRY = 12  # definitions back from a failed step's tensors to a fact's leaf (infer's retry)
+FACT_ITERATIONS = 24  # and that retry's rule iterations
+FACT_RETRY_TENSORS = 128  # no retry over more tensors: aws_llama TP6's scores (266) ran 6 min CPU, 5.6 GB, unfinished
 
 
 def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
@@ -888,17 +892,20 @@ STRUCT_FREE = 96  # tensors a structural frontier takes without counting a hop
 STRUCT_DEPTH = 4  # how far back an other operand of a walked op may be derived
 
 
-def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str]) -> bool:
+def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str], any_op: bool = False) -> bool:
     """Whether `x` is computed from available tensors by walked ops only (at most `depth`
-    definitions back); appends what it takes, inputs first."""
+    definitions back); appends what it takes, inputs first. `any_op`: through every op,
+    rank inputs available too."""
     canon = prog.same.find
     if canon(x) in avail or is_constant(prog, x):
         return True
     d = prog.defs.get(x)
-    if depth == 0 or d is None or d.op not in _WALK_OPS:
+    if any_op and d is None:
+        return True
+    if depth == 0 or d is None or (not any_op and d.op not in _WALK_OPS):
         return False
     for dep in sorted(d.leaves()):
-        if not _derive(prog, dep, avail, depth - 1, out):
+        if not _derive(prog, dep, avail, depth - 1, out, any_op):
             return False
     out.append(x)
     avail.add(canon(x))
@@ -906,7 +913,8 @@ def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[st
 
 
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
-             defined: frozenset[str] | set[str] = frozenset(), structural: bool = False) -> list[str]:
+             defined: frozenset[str] | set[str] = frozenset(), structural: bool = False,
+             fact_depth: int = 0) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order. An input in `defined` (available, like
     the known ones) comes along with its definition, as constants do.
@@ -993,18 +1001,22 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         if not layer:
             break
     if prog.facts:
-        _fact_chains(prog, leaves, chosen, seen)
+        _fact_chains(prog, leaves, chosen, seen, fact_depth)
     return chosen
 
 
-def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str]) -> None:
+def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str], depth: int = 0) -> None:
     """Append to `chosen` the definitions of the rank tensors the e-graph names without one
     (the leaves, what chosen definitions read) that walked ops compute from a fact's leaf
     (refine.replica), with the chains between. A fact is told only where the e-graph holds
     its leaves, and says nothing of a tensor computed from them whose definition is not
     stated: a relation naming one rank's broadcast of a replicated bias (`addmm.expand@1`)
     next to a rank's sum with its own (`addmm.expand@0`) is proven only through both
-    broadcasts' definitions. Definitions are true equalities: this only adds knowledge."""
+    broadcasts' definitions. Definitions are true equalities: this only adds knowledge.
+
+    With `depth`, through every op up to `depth` definitions back (rank inputs available):
+    a rank's key heads copied by a define reach the scores through the projection and the
+    rotary (FACT_RETRY), with the other operands on the way (the rotary's cos)."""
     canon = prog.same.find
     fact_leaves = {canon(x) for x in prog.fact_index}
     named = set(leaves)
@@ -1016,11 +1028,18 @@ def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: s
         if x in seen or prog.defs.get(x) is None:
             continue
         trial, taken = set(fact_leaves), []
-        if _derive(prog, x, trial, STRUCT_DEPTH, taken):
+        if _derive(prog, x, trial, depth or STRUCT_DEPTH, taken, any_op=bool(depth)):
             for y in taken:
                 if y not in seen:
                     seen.add(y)
                     chosen.append(y)
+
+
+def _reads_fact(prog: DistProgram, tensors: list[str]) -> bool:
+    """Whether a definition among `tensors` reads a fact's leaf."""
+    canon = prog.same.find
+    leaves = {canon(x) for x in prog.fact_index}
+    return any(canon(y) in leaves for t in tensors if (d := prog.defs.get(t)) is not None for y in d.leaves())
 
 
 def is_constant(prog: DistProgram, name: str) -> bool:
@@ -1110,6 +1129,18 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 tensors = frontier(prog, _with_replicas(prog, leaves), known | cps, tries[0], cps,
                                    structural=True)
                 res = engine.step(term, prog, registry, tensors)
+            if not res.clean and OPAQUE not in ops and n.op not in fusing and prog.facts:
+                # a fact about rank inputs (a define's copied KV heads) matters far downstream
+                # (the scores, through the projection and the rotary): retried once with the
+                # chains from the facts' leaves through every op, and more iterations; the
+                # first result stays when this one is no better (the culprit's report)
+                more = frontier(prog, _with_replicas(prog, leaves), known | cps, tries[-1], cps, fact_depth=FACT_RETRY)
+                if len(more) <= FACT_RETRY_TENSORS and _reads_fact(prog, more):
+                    # no early stop: the chains' rewrites make the best term no cheaper for
+                    # many iterations before the copies meet
+                    again = engine.step(term, prog, registry, more, iterations=FACT_ITERATIONS, early=False)
+                    if again.clean:
+                        tensors, res = more, again
             if replayer is not None and res.clean:
                 replayer.record(term, res)
         shown[n.name] = res.best

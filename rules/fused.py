@@ -10,10 +10,17 @@ holds:
 
     transpose(slice(x, d, s, e), i, j) = slice(transpose(x, i, j), d', s, e)   (d' d swapped by i, j)
     matmul(a, slice(b, last, s, e))    = slice(matmul(a, b), last, s, e)
+    op(slice(a, d, s, e), slice(b, d, s, e)) = slice(op(a, b), d, s, e)  (op elementwise, op(a, b) a rank tensor)
 
 The sliced tensor must be a rank tensor (a `D` leaf), so that the whole op is one the rank
 program may compute; the opposite direction (a slice of a product is a product with a
-slice) is `matmul.py`'s and `structure.py`'s.
+slice) is `matmul.py`'s and `structure.py`'s. For an elementwise op the whole op must be a
+rank tensor itself: a padded rank holds real heads and padding, the sequential side reads
+its real heads (`slice(q@5, 2, 0, 2)` times a slice of the replicated cos), and only the
+rank's own product over all its heads names what it holds (elementwise.py's slice-into-op
+is the other direction, from a slice of the whole op). Core elementwise ops take operands
+of one shape (broadcasts are explicit expands), so equal slices of the operands are the
+same elements of the result.
 """
 
 from __future__ import annotations
@@ -24,8 +31,22 @@ from refine.expr import Term
 from refine.opset import Rule, rule
 
 
+def _elementwise(reg: Any) -> list[Rule]:
+    """Each elementwise op over the same slice of all its operands, where the op over the
+    whole operands is a rank tensor: the slice of that tensor."""
+    out: list[Rule] = []
+    for op in reg.of_kind("elementwise"):
+        xs = [f"x{i}" for i in range(op.inputs)]
+        tail = "".join(f" u{i}" for i in range(len(op.attrs)))
+        sliced = " ".join(f"(slice {x} d s f)" for x in xs)
+        out.append(rule(f"{op.name}-of-slices", [f"(= e ({op.name} {sliced}{tail}))",
+                                                  f"(= m ({op.name} {' '.join(xs)}{tail}))", "(= m (D n))"],
+                        ["(union e (slice m d s f))"]))
+    return out
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
-    return [
+    return _elementwise(reg) + [
         rule("transpose-of-slice-i", ["(= e (transpose (slice x d s f) i j))", "(= x (D n))", "(= d i)"],
              ["(union e (slice (transpose x i j) j s f))"]),
         rule("transpose-of-slice-j", ["(= e (transpose (slice x d s f) i j))", "(= x (D n))", "(= d j)",
@@ -42,7 +63,8 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
-    """Transposes and products of slices of rank tensors (defined leaves, as `D` is)."""
+    """Transposes and products of slices of rank tensors (defined leaves, as `D` is), and
+    elementwise ops over equal slices next to their whole rank op."""
     r = gen.rng
     out: list[Term] = []
     for _ in range(gen.instances):
@@ -60,4 +82,19 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("matmul", (gen.leaf((2, m, k)), Term("slice", (b2,), (1, 0, n - 1)))))
         b3 = gen.leaf((2, k, n))
         out.append(Term("matmul", (gen.leaf((2, m, k)), Term("slice", (b3,), (2, 1, n)))))
+        # an elementwise op over equal slices of its operands, next to the rank tensor that
+        # is the op over the whole operands (concatenated along the sliced dim: one term)
+        for op in gen.registry.of_kind("elementwise"):
+            inst = gen.instance(op.name)
+            if inst is None:
+                continue
+            specs, attrs = inst
+            xs = [gen.leaf(sh, kind, bound) for sh, kind, bound in specs]
+            sh = specs[0][0]
+            d = r.randrange(len(sh))
+            s = r.randrange(sh[d])
+            f = r.randint(s + 1, sh[d])
+            whole = gen.defined_leaf(Term(op.name, tuple(xs), attrs))
+            part = Term(op.name, tuple(Term("slice", (x,), (d, s, f)) for x in xs), attrs)
+            out.append(Term("cat", (whole, part), (d,)))
     return out

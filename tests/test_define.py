@@ -168,3 +168,143 @@ def test_defines_are_checked_a_group_at_a_time(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="contradicts") as e:
         _load(*_case(tmp_path / "bad", bad))
     assert e.value.where == "$.relations[4].as"
+
+
+def _rotary_case(tmp_path: Path, swap: bool = False) -> tuple[Path, Path]:
+    """y = (x @ wq) * expand(c): six one-column heads over 2 ranks of 4, rank 1's last two
+    padding (aws_llama TP6's rotary, small: a padded rank's query heads times the
+    replicated cos broadcast to its head count). The sequential product reads rank 1's real
+    heads, `slice(y@1, 1, 0, 2)`, which only the rank's own product over all its heads
+    names. With `swap`, rank 1 multiplies the cos with its heads reversed (padding first)."""
+    s = GraphBuilder()
+    x, wq, c = s.input("x", [8, 4]), s.input("wq", [4, 6], role="parameter"), s.input("c", [8, 1])
+    q = s.op("matmul", x, wq, name="q")
+    s.output("y", s.op("mul_t", s.op("expand", c, name="cb", shape=[8, 6]), q, name="y"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        x, wq, c = d.input("x", [8, 4]), d.input("wq", [4, 4], role="parameter"), d.input("c", [8, 1])
+        q = d.op("matmul", x, wq, name="q")
+        if swap and r == 1:
+            q = d.op("cat", d.op("slice", q, name="pad", dim=1, start=2, end=4),
+                     d.op("slice", q, name="real", dim=1, start=0, end=2), name="swapped", dim=1)
+        d.output("y", d.op("mul_t", d.op("expand", c, name="cb", shape=[8, 4]), q, name="y"))
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [
+        {"from": "x", "placements": ["Replicate"]},
+        {"from": "c", "placements": ["Replicate"]},
+        {"from": "wq", "layout": "cat(wq@0, slice(wq@1, 1, 0, 2), dim=1)"},
+        {"define": "wq@1", "as": "cat(slice(wq, 1, 4, 6), zeros([4, 2]), dim=1)"},
+    ]
+    exp = [{"output": "y", "layout": ["cat(y@0, slice(y@1, 1, 0, 2), dim=1)"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, exp))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def test_padded_heads_times_a_replicated_broadcast_refine(tmp_path: Path) -> None:
+    """rules/fused.py's mul_t-of-slices: the product of rank 1's real heads with the cos is
+    the slice of its whole product (without the rule no term names that slice)."""
+    seq_path, dist_path = _rotary_case(tmp_path)
+    report = check_files(seq_path, dist_path)
+    assert report.refines, str(report)
+
+
+def test_padded_heads_in_the_wrong_order_do_not_refine(tmp_path: Path) -> None:
+    seq_path, dist_path = _rotary_case(tmp_path, swap=True)
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]
+
+
+HD = 4  # head size
+
+
+def _k(i: int) -> str:
+    return f"slice(wk, 1, {i * HD}, {(i + 1) * HD})"
+
+
+WK0 = f"cat({_k(0)}, {_k(0)}, {_k(1)}, dim=1)"
+
+
+def _rotary(g: GraphBuilder, x: str, heads: int, c: str, s_: str, tag: str) -> str:
+    """Neuron's rotary over [tokens, heads, HD]: halves times the cos and sin broadcast to
+    the heads, recombined and concatenated."""
+    t = 8
+    cb = g.op("expand", c, name=f"cb{tag}", shape=[t, heads, HD // 2])
+    sb = g.op("expand", s_, name=f"sb{tag}", shape=[t, heads, HD // 2])
+    a = g.op("slice", x, name=f"a{tag}", dim=2, start=0, end=HD // 2)
+    b = g.op("slice", x, name=f"b{tag}", dim=2, start=HD // 2, end=HD)
+    lo = g.op("sub", g.op("mul_t", cb, a, name=f"m1{tag}"), g.op("mul_t", sb, b, name=f"m2{tag}"), name=f"lo{tag}")
+    hi = g.op("add", g.op("mul_t", cb, b, name=f"m3{tag}"), g.op("mul_t", sb, a, name=f"m4{tag}"), name=f"hi{tag}")
+    return g.op("cat", lo, hi, name=f"r{tag}", dim=2)
+
+
+def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Path, Path]:
+    """Scores q @ k^T of 6 query heads over 3 KV heads (groups of 2) on 2 ranks of 3 query
+    heads (aws_llama TP6's copies, small): each rank's key weight holds one copy of the KV
+    head of each local query head (rank 0: 0, 0, 1; rank 1: 1, 2, 2), stated by defines;
+    the layout reads each KV head from its first holder. KV head 1 straddles the ranks, and
+    head 0's second copy on rank 0 is read by no layout. With `rotary`, q and k are rotated
+    first (the copies then meet the scores only through the rotary's products)."""
+    t, h = 8, 4
+    s = GraphBuilder()
+    x, wq, wk = s.input("x", [t, h]), s.input("wq", [h, 6 * HD], role="parameter"), s.input("wk", [h, 3 * HD], role="parameter")
+    c, sn = s.input("c", [t, 1, HD // 2]), s.input("s", [t, 1, HD // 2])
+    q = s.op("view", s.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 6, HD])
+    k = s.op("view", s.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, HD])
+    if rotary:
+        q, k = _rotary(s, q, 6, c, sn, "q"), _rotary(s, k, 3, c, sn, "k")
+    q = s.op("transpose", q, name="qt", dim0=0, dim1=1)
+    k = s.op("view", k, name="k1", shape=[t, 3, 1, HD])
+    k = s.op("view", s.op("expand", k, name="ke", shape=[t, 3, 2, HD]), name="kv2", shape=[t, 6, HD])
+    k = s.op("transpose", s.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
+    s.output("sc", s.op("matmul", q, k, name="sc"))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        x, wq, wk = d.input("x", [t, h]), d.input("wq", [h, 3 * HD], role="parameter"), d.input("wk", [h, 3 * HD], role="parameter")
+        c, sn = d.input("c", [t, 1, HD // 2]), d.input("s", [t, 1, HD // 2])
+        q = d.op("view", d.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 3, HD])
+        k = d.op("view", d.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, HD])
+        if rotary:
+            q, k = _rotary(d, q, 3, c, sn, "q"), _rotary(d, k, 3, c, sn, "k")
+        q = d.op("transpose", q, name="qt", dim0=0, dim1=1)
+        k = d.op("transpose", d.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
+        d.output("sc", d.op("matmul", q, k, name="sc"))
+        ranks[r] = d
+    rel: list[dict[str, Any]] = [
+        {"from": "x", "placements": ["Replicate"]},
+        {"from": "c", "placements": ["Replicate"]},
+        {"from": "s", "placements": ["Replicate"]},
+        {"from": "wq", "layout": "cat(wq@0, wq@1, dim=1)"},
+        {"from": "wk", "layout": f"cat(slice(wk@0, 1, 0, {HD}), slice(wk@0, 1, {2 * HD}, {3 * HD}), "
+                                 f"slice(wk@1, 1, {HD}, {2 * HD}), dim=1)"},
+        {"define": "wk@0", "as": wk0},
+        {"define": "wk@1", "as": f"cat({_k(1)}, {_k(2)}, {_k(2)}, dim=1)"},
+    ]
+    exp = [{"output": "sc", "layout": ["cat(sc@0, sc@1, dim=0)"]}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, exp))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_copied_kv_heads_over_uneven_ranks_refine(tmp_path: Path, rotary: bool) -> None:
+    """With the rotary, the scores relate only through prove.infer's fact retry (chains from
+    the key weight's define through the projection and the rotary, FACT_RETRY)."""
+    seq_path, dist_path = _gqa_case(tmp_path, rotary=rotary)
+    report = check_files(seq_path, dist_path)
+    assert report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [True]
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_a_kv_copy_of_the_wrong_head_does_not_refine(tmp_path: Path, rotary: bool) -> None:
+    """Rank 0's second local head holds KV head 1 instead of a copy of 0: no layout reads
+    that copy, so the defines load, and the scores are wrong."""
+    seq_path, dist_path = _gqa_case(tmp_path, f"cat({_k(0)}, {_k(1)}, {_k(1)}, dim=1)", rotary=rotary)
+    report = check_files(seq_path, dist_path)
+    assert not report.refines, str(report)
+    seq, dist = _load(seq_path, dist_path)
+    assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [False]

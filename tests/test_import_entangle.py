@@ -412,3 +412,22 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
     (out / "dist.json").write_text(json.dumps(doc))
     r = CliRunner().invoke(main, ["check", str(out / "seq.json"), str(out / "dist.json")])
     assert r.exit_code == 2 and f"$.relations[{k}].as" in r.output and "contradicts" in r.output, r.output
+
+
+@needs_corpus
+@SLOW
+def test_aws_llama_tp6_relates_the_padded_rotary(tmp_path: Path) -> None:
+    """TP6 one layer (README, aws_llama TP6): the rotary's products of the replicated cos and
+    sin with rank 5's two real query heads relate as slices of its own products
+    (rules/fused.py, elementwise op of slices), so the check passes the rotary and stops at
+    the scores `dot_91` (q @ k^T: the ranks' k heads are copies of the sequential KV heads;
+    prove.infer's fact retry proves that in small, but here its e-graph would hold 266
+    tensors, past FACT_RETRY_TENSORS). Still DOES NOT REFINE, by incompleteness:
+    when TP6 refines, this becomes that assertion. Slow: ~30 s CPU and 4 GB."""
+    r, out = _import(tmp_path, "aws_llama/tp1_layer1", "aws_llama/tp6_layer1", "aws_llama_tp6.json")
+    assert r.exit_code == 0, r.output
+    report = check_files(out / "seq.json", out / "dist.json")
+    assert not report.refines and report.culprit is not None
+    assert report.culprit.node == "dot_91", report.culprit
+    rotary = report.culprit.inputs[0][1]  # the scaled q: rank 5's real heads of its rotary
+    assert "slice(multiply_65.mul_t@5, dim=2, 0:2)" in rotary, rotary
