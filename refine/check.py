@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from refine.expr import Term
+from refine.expr import NARY, Term
 from refine.format import InputError, load_dist, load_seq
 from refine.ir import Dist, Graph, Placement, Relation, case_symbols
 from refine.localize import localize
@@ -139,8 +139,9 @@ def _explicit(name: str, role: str, rel: Term, wanted: list[Term], expect: str, 
     wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
     tensors += [x for x in structural_ancestry(prog, wanted_leaves, EXPECT_HOPS) if x not in set(tensors)]
     res = engine.step(rel, prog, registry, tensors, checks=wanted)
-    ok = all(res.checks)
-    detail = "" if ok else f"expected {wanted[res.checks.index(False)]}"
+    held = _held(res.checks, res.best, wanted)
+    ok = all(held)
+    detail = "" if ok else f"expected {wanted[held.index(False)]}"
     return OutputResult(name, role, str(res.best), res.clean, expect, ok, detail, local)
 
 
@@ -161,7 +162,7 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
         res = engine.step(rel, prog, registry, tensors, checks=[t for _, ts in options for t in ts])
         got, i = None, 0
         for pl, ts in options:
-            if got is None and all(res.checks[i:i + len(ts)]):
+            if got is None and all(_held(res.checks[i:i + len(ts)], res.best, ts)):
                 got = pl
             i += len(ts)
         expect = "placed on every rank's copy in a standard way (no expectation given)"
@@ -177,6 +178,24 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     detail = "" if from_outputs else (
         "no clean relation" if not res.clean else "only related to rank intermediates, not to rank outputs")
     return OutputResult(name, role, str(res.best), res.clean, "reconstructible from rank outputs", from_outputs, detail)
+
+
+def _held(checks: list[bool], best: Term, wanted: list[Term]) -> list[bool]:
+    """Each check, or the best term equal to that wanted term up to how its concats nest and
+    its sums order their terms: the e-graph holds a concat of four in the nesting its rules
+    built (which can depend on the order rules were declared in), and concat is associative
+    (cat(a, cat(b, c)) = cat(cat(a, b), c)), so either nesting is the same tensor."""
+    flat = _flat_cats(best)
+    return [ok or _flat_cats(w) == flat for ok, w in zip(checks, wanted, strict=True)]
+
+
+def _flat_cats(t: Term) -> Term:
+    args = tuple(_flat_cats(a) for a in t.args)
+    if t.op == "cat":
+        args = tuple(x for a in args for x in (a.args if a.op == "cat" and a.attrs == t.attrs else (a,)))
+    if t.op in NARY:  # unordered
+        args = tuple(sorted(args, key=repr))
+    return Term(t.op, args, t.attrs)
 
 
 def _placement_name(p: Placement) -> str:

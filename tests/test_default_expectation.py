@@ -84,3 +84,20 @@ def test_partial_outputs_without_expectation_refine_as_a_sum(tmp_path: Path) -> 
     rep = _run(tmp_path, "tp_mlp", edit, doc_seq)
     assert rep.refines, rep.outputs
     assert "[Partial(sum)]" in rep.outputs[0].expectation
+
+
+def test_expected_concat_matches_the_best_term_in_any_nesting() -> None:
+    """The e-graph may hold the ranks' concat nested otherwise than the expectation builds it
+    (a grown step e-graph declares rules in another order: MoE EP on four ranks); concat is
+    associative, so that is the same tensor. Other dims, orders or pieces are not."""
+    from refine.check import _held
+    from refine.expr import Term, cat, leaf, nary
+
+    a, b, c, d = (leaf(f"g@{r}") for r in range(4))
+    right = Term("cat", (a, Term("cat", (b, Term("cat", (c, d), (0,))), (0,))), (0,))
+    assert _held([False], right, [cat([a, b, c, d], 0)]) == [True]
+    assert _held([False], right, [cat([a, b, d, c], 0)]) == [False]
+    assert _held([False], right, [cat([a, b, c, d], 1)]) == [False]
+    assert _held([False], right, [cat([a, b, c], 0)]) == [False]
+    assert _held([False], nary("Sum", [b, a]), [nary("Sum", [a, b])]) == [True]
+    assert _held([True], a, [b]) == [True]  # a check the e-graph proved stands
