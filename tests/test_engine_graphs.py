@@ -57,13 +57,14 @@ def test_pruned_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monke
     compared = []
     solve = prove.Engine._solve
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS):  # noqa: ANN202
-        pruned = solve(self, program, checks, iterations)
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+             early: bool = True):
+        pruned = solve(self, program, checks, iterations, early)
         need = self._decls.closure(program + "\n" + "\n".join(checks))
         assert len(need.rules) < len(self._decls.rules)
         with monkeypatch.context() as m:
             m.setattr(prove.Engine, "_graph", lambda self, need: self.eg)
-            full = solve(self, program, checks, iterations)
+            full = solve(self, program, checks, iterations, early)
         compared.append(pruned == full)
         return pruned
 
@@ -84,11 +85,12 @@ def test_grown_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monkey
     grown: list[int] = []
     solve, added = prove.Engine._solve, prove._Declarations.added
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS):  # noqa: ANN202
-        kept = solve(self, program, checks, iterations)
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+             early: bool = True):
+        kept = solve(self, program, checks, iterations, early)
         with monkeypatch.context() as m:
             m.setattr(prove.Engine, "_graph", lambda self, need: self.eg)
-            compared.append(kept == solve(self, program, checks, iterations))
+            compared.append(kept == solve(self, program, checks, iterations, early))
         return kept
 
     def counted(self: prove._Declarations, have: prove._Need, need: prove._Need) -> list[str]:
@@ -164,12 +166,13 @@ def test_inline_terms_give_every_step_the_same_result(monkeypatch: pytest.Monkey
     compared = []
     solve = prove.Engine._solve
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS):  # noqa: ANN202
-        inline = solve(self, program, checks, iterations)
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+             early: bool = True):
+        inline = solve(self, program, checks, iterations, early)
         assert program.count("(let ") == 1 and "(let $__seq " in program
         lets = _with_lets(program)
         assert lets.count("(let ") > 1 or "(set (shape (" not in program.replace("(set (shape (D ", "")
-        compared.append(inline == solve(self, lets, checks, iterations))
+        compared.append(inline == solve(self, lets, checks, iterations, early))
         return inline
 
     monkeypatch.setattr(prove.Engine, "_solve", both)
