@@ -1017,8 +1017,7 @@ def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: s
     With `depth`, through every op up to `depth` definitions back (rank inputs available):
     a rank's key heads copied by a define reach the scores through the projection and the
     rotary (FACT_RETRY), with the other operands on the way (the rotary's cos)."""
-    canon = prog.same.find
-    fact_leaves = {canon(x) for x in prog.fact_index}
+    fact_leaves = _fact_leaves(prog)
     named = set(leaves)
     for x in chosen:
         d = prog.defs.get(x)
@@ -1037,9 +1036,13 @@ def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: s
 
 def _reads_fact(prog: DistProgram, tensors: list[str]) -> bool:
     """Whether a definition among `tensors` reads a fact's leaf."""
-    canon = prog.same.find
-    leaves = {canon(x) for x in prog.fact_index}
+    canon, leaves = prog.same.find, _fact_leaves(prog)
     return any(canon(y) in leaves for t in tensors if (d := prog.defs.get(t)) is not None for y in d.leaves())
+
+
+def _fact_leaves(prog: DistProgram) -> set[str]:
+    """The rank tensors facts are told about, as class representatives."""
+    return {prog.same.find(x) for x in prog.fact_index}
 
 
 def is_constant(prog: DistProgram, name: str) -> bool:
