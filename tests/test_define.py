@@ -240,6 +240,20 @@ def _rotary(g: GraphBuilder, x: str, heads: int, c: str, s_: str, tag: str) -> s
     return g.op("cat", lo, hi, name=f"r{tag}", dim=2)
 
 
+def _gqa_qk(g: GraphBuilder, t: int, h: int, heads: int, rotary: bool) -> tuple[str, str]:
+    """The query projection of `heads` heads (transposed to heads first) and the key
+    projection of 3 heads (the sequential KV heads, or a rank's 3 copies), rotated with
+    `rotary`; both sides of _gqa_case build them alike."""
+    x = g.input("x", [t, h])
+    wq, wk = g.input("wq", [h, heads * HD], role="parameter"), g.input("wk", [h, 3 * HD], role="parameter")
+    c, sn = g.input("c", [t, 1, HD // 2]), g.input("s", [t, 1, HD // 2])
+    q = g.op("view", g.op("matmul", x, wq, name="qp"), name="qv", shape=[t, heads, HD])
+    k = g.op("view", g.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, HD])
+    if rotary:
+        q, k = _rotary(g, q, heads, c, sn, "q"), _rotary(g, k, 3, c, sn, "k")
+    return g.op("transpose", q, name="qt", dim0=0, dim1=1), k
+
+
 def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Path, Path]:
     """Scores q @ k^T of 6 query heads over 3 KV heads (groups of 2) on 2 ranks of 3 query
     heads (aws_llama TP6's copies, small): each rank's key weight holds one copy of the KV
@@ -249,13 +263,7 @@ def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Pat
     first (the copies then meet the scores only through the rotary's products)."""
     t, h = 8, 4
     s = GraphBuilder()
-    x, wq, wk = s.input("x", [t, h]), s.input("wq", [h, 6 * HD], role="parameter"), s.input("wk", [h, 3 * HD], role="parameter")
-    c, sn = s.input("c", [t, 1, HD // 2]), s.input("s", [t, 1, HD // 2])
-    q = s.op("view", s.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 6, HD])
-    k = s.op("view", s.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, HD])
-    if rotary:
-        q, k = _rotary(s, q, 6, c, sn, "q"), _rotary(s, k, 3, c, sn, "k")
-    q = s.op("transpose", q, name="qt", dim0=0, dim1=1)
+    q, k = _gqa_qk(s, t, h, 6, rotary)
     k = s.op("view", k, name="k1", shape=[t, 3, 1, HD])
     k = s.op("view", s.op("expand", k, name="ke", shape=[t, 3, 2, HD]), name="kv2", shape=[t, 6, HD])
     k = s.op("transpose", s.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
@@ -263,13 +271,7 @@ def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Pat
     ranks = {}
     for r in range(2):
         d = GraphBuilder()
-        x, wq, wk = d.input("x", [t, h]), d.input("wq", [h, 3 * HD], role="parameter"), d.input("wk", [h, 3 * HD], role="parameter")
-        c, sn = d.input("c", [t, 1, HD // 2]), d.input("s", [t, 1, HD // 2])
-        q = d.op("view", d.op("matmul", x, wq, name="qp"), name="qv", shape=[t, 3, HD])
-        k = d.op("view", d.op("matmul", x, wk, name="kp"), name="kv", shape=[t, 3, HD])
-        if rotary:
-            q, k = _rotary(d, q, 3, c, sn, "q"), _rotary(d, k, 3, c, sn, "k")
-        q = d.op("transpose", q, name="qt", dim0=0, dim1=1)
+        q, k = _gqa_qk(d, t, h, 3, rotary)
         k = d.op("transpose", d.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
         d.output("sc", d.op("matmul", q, k, name="sc"))
         ranks[r] = d
