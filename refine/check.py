@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from refine.copies import join_copies
 from refine.expr import NARY, Term
 from refine.format import InputError, load_dist, load_seq
 from refine.ir import Dist, Graph, Placement, Relation, case_symbols
@@ -75,6 +76,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
     engine = engine_for(registry, is_symbolic(seq, dist))
     steps0, replayed0 = engine.stats["steps"], engine.stats["replayed"]
+    join_copies(seq, dist, prog, engine, registry)
     inf = infer(seq_core, inputs, prog, engine, registry)
 
     explicit = {e.output: e for e in dist.expectations}

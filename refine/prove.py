@@ -229,7 +229,8 @@ class Engine:
         return out
 
     def step(self, seq: Term, prog: DistProgram, registry: Registry, tensors: Iterable[str],
-             checks: Iterable[Term] = (), iterations: int = 0, early: bool = True) -> StepResult:
+             checks: Iterable[Term] = (), iterations: int = 0, early: bool = True,
+             both: bool = False) -> StepResult:
         """`seq` is a term over rank leaves; `tensors` the rank tensors whose definitions to
         add. Returns the cheapest term equal to `seq`, the rank tensors found equal to it
         and whether each of `checks` was proven equal to it.
@@ -237,7 +238,10 @@ class Engine:
         Leaf names only say which tensors are the same, so a step is run on its program
         with the names replaced by their order of appearance, and its result is kept under
         that text: a repeated layer (same ops, shapes and relations over other tensors) is
-        proven once and its result renamed, not recomputed. `early`: EARLY_STOP applies."""
+        proven once and its result renamed, not recomputed. `early`: EARLY_STOP applies.
+        `both`: the checks are put in the e-graph too, so rules rewrite them as well (an
+        equality of two terms that each only reduce to a common form, refine.copies);
+        otherwise a check holds when saturation makes `seq`'s class reach it."""
         t0 = time.perf_counter()
         em = _Emitter(self.sorts, prog, registry, self.symbolic)
         for name in tensors:
@@ -247,10 +251,15 @@ class Engine:
                 em.outputs = True
                 em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
         root = em.term(seq, typed=True)
+        checks = list(checks)
+        if both:
+            for i, c in enumerate(checks):
+                em.lines.append(f"(let $__check{i} {em.term(c, typed=True)})")
         told = em.facts()
         em.lines.append(f"(let $__seq {root})")
         em.lines.append("(Mark $__seq)")
-        check_texts = [em.term(c, typed=False, inline=True) for c in checks]
+        check_texts = [f"$__check{i}" for i in range(len(checks))] if both else \
+            [em.term(c, typed=False, inline=True) for c in checks]
         canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
         key = hashlib.sha256(f"{iterations}{'' if early else ' late'}\n{canon}".encode()).hexdigest() \
             if iterations or not early else \
@@ -955,7 +964,8 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
             x = todo.pop()
             # structural: the users of every tensor equal to x (another rank's copy of a
             # replicated head, joined by join_fact_consequences) are its users too
-            for u in sorted(_users_of_class(prog, x)) if structural else prog.users.get(x, ()):
+            # and a copy's users (refine.copies: rank 5's key is rank 4's head) are its tensor's
+            for u in sorted(_users_of_class(prog, x)) if structural or x in prog.copies else prog.users.get(x, ()):
                 if u in seen or u in nxt:
                     continue
                 d = prog.defs[u]
@@ -973,7 +983,10 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                         avail.add(canon(u))
                         todo.append(u)
                         continue
-                if d is not None and all(canon(dep) in avail or is_constant(prog, dep) for dep in d.leaves()):
+                # a copy's form may read its own tensor (rank 5's key: rank 4's head, then its
+                # own padding heads): that is the tensor the form makes available, not an input
+                if d is not None and all(canon(dep) in avail or is_constant(prog, dep)
+                                         or (u in prog.copies and canon(dep) == canon(u)) for dep in d.leaves()):
                     nxt.add(u)
                     # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
                     # few ops over the ids each): it costs no hop, so the lookup it feeds and

@@ -71,6 +71,9 @@ class DistProgram:
     # names a leaf of one is told it (refine.prove)
     facts: list[tuple[Term, Term]] = field(default_factory=list)
     fact_index: dict[str, list[int]] = field(default_factory=dict)  # leaf -> facts naming it
+    # synthetic tensors `x#copies@r` that refine.copies joined to x: x as a concat of
+    # broadcasts of the heads it copies (its own or another rank's)
+    copies: set[str] = field(default_factory=set)
 
     def add_fact(self, a: Term, b: Term) -> None:
         i = len(self.facts)
