@@ -79,9 +79,12 @@ def _slices(t: Term, out: list[tuple[str, int, int, int]]) -> None:
 def join_copies(seq: Graph, dist: Dist, prog: DistProgram, engine: Engine, registry: Registry,
                 seed: int = 0) -> int:
     """Find, prove and join the copies behind duplicated inputs; returns how many tensors joined."""
-    sources = [x for x in duplicated_inputs(dist) if x in prog.types]
-    if not sources:
+    dup = {x.rpartition("@")[0] for x in duplicated_inputs(dist)}
+    if not dup:
         return 0
+    # every rank's copy of such an input: a rank holding each head once still holds the
+    # first copy of some head (TP6 in small: rank 1's KV heads 0 and 1)
+    sources = sorted(x for d in dist.defines if d.input in dup and (x := tensor_name(d.rank, d.input)) in prog.types)
     region = _region(prog, sources, registry)
     values = _Values(prog, registry, seq, dist, set(region), seed)
     by_base: dict[str, list[str]] = {}
