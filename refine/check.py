@@ -19,17 +19,23 @@ from refine.prove import Engine, frontier, infer, structural_ancestry
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report
 
-_ENGINES: dict[tuple[int, bool], Engine] = {}
+_ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
 EXPECT_HOPS = 8
 
 
-def engine_for(registry: Registry, symbolic: bool = False) -> Engine:
-    """One engine per rule set and size mode: concrete sizes are i64 in the e-graph,
-    symbolic ones PyObjects whose comparisons are proven (see refine.dims)."""
-    key = (id(registry), symbolic)
+def engine_for(registry: Registry, symbolic: bool = False, features: frozenset[str] = frozenset()) -> Engine:
+    """One engine per rule set, size mode and case features (`Rule.needs`): concrete sizes
+    are i64 in the e-graph, symbolic ones PyObjects whose comparisons are proven (see
+    refine.dims)."""
+    key = (id(registry), symbolic, features)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine(registry, symbolic=symbolic)
+        _ENGINES[key] = Engine(registry, symbolic=symbolic, features=features)
     return _ENGINES[key]
+
+
+def case_features(dist: Dist) -> frozenset[str]:
+    """What the case needs rules for beyond the common ones (Rule.needs)."""
+    return frozenset({"defines"}) if dist.defines else frozenset()
 
 
 def is_symbolic(seq: Graph, dist: Dist) -> bool:
@@ -74,7 +80,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     except UnsupportedOp as e:
         raise InputError(dist_file, "$.ranks", str(e)) from None
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
-    engine = engine_for(registry, is_symbolic(seq, dist))
+    engine = engine_for(registry, is_symbolic(seq, dist), case_features(dist))
     steps0, replayed0 = engine.stats["steps"], engine.stats["replayed"]
     join_copies(seq, dist, prog, engine, registry)
     inf = infer(seq_core, inputs, prog, engine, registry)

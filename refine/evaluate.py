@@ -754,7 +754,7 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     """Infer every sequential core tensor's relation, then check each one numerically
     against the sequential value on random consistent inputs (with symbolic sizes: at a
     random valuation of the symbols, the relations inferred once for all of them)."""
-    from refine.check import engine_for, is_symbolic
+    from refine.check import case_features, engine_for, is_symbolic
     from refine.prove import infer
     from refine.relate import build_program, seq_input_relations
 
@@ -763,7 +763,7 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     prog, cores = build_program(dist, registry, "dist")
     inputs = seq_input_relations(dist, seq, prog, registry, "dist")
     symbolic = is_symbolic(seq, dist)
-    inf = infer(seq_core, inputs, prog, engine_for(registry, symbolic), registry)
+    inf = infer(seq_core, inputs, prog, engine_for(registry, symbolic, case_features(dist)), registry)
     relations = inf.relations
     if symbolic:
         # evaluate the very core graphs the relations name, at the valuation (lowering the

@@ -98,6 +98,11 @@ class Rule:
     # it runs with the shape rules, to saturation before each iteration, so every rule
     # sees it complete
     analysis: bool = False
+    # a feature of the case the rule only matters for ("defines": layouts stated by
+    # defines, a padded rank's heads, copied KV heads): an engine for a case without it
+    # leaves the rule out. That costs completeness only (a rule left out proves nothing),
+    # and the cases that need it pay for it alone
+    needs: str = ""
 
 
 @dataclass

@@ -93,6 +93,7 @@ class Engine:
     cache: dict[str, _Solved] = field(default_factory=dict)
     fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
     audit_shapes: bool = SHAPE_AUDIT
+    features: frozenset[str] = frozenset()  # the case's features (Rule.needs): other rules are left out
 
     def __post_init__(self) -> None:
         reg = self.registry
@@ -185,7 +186,7 @@ class Engine:
                 xs = " ".join(f"x{i}" for i in range(op.inputs)) + "".join(f" a{i}" for i in range(len(op.attrs)))
                 lines.append(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) :ruleset shapes)")
         for r in self.registry.rules:
-            if self.symbolic and not r.symbolic:
+            if self.symbolic and not r.symbolic or r.needs and r.needs not in self.features:
                 continue
             text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
             if r.analysis:

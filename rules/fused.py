@@ -25,6 +25,7 @@ same elements of the result.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from refine.expr import Term, nary
@@ -50,9 +51,9 @@ def _elementwise(reg: Any) -> list[Rule]:
         for i in range(op.inputs):
             args = " ".join("(slice m d s f)" if j == i else f"a{j}" for j in range(op.inputs))
             whole = " ".join("m" if j == i else f"x{j}" for j in range(op.inputs))
-            out.append(rule(f"{op.name}-slice-of-whole-{i}", [f"(= e ({op.name} {args}{tail}))",
-                                                               f"(= w ({op.name} {whole}{tail}))", "(= w (D n))"],
-                            ["(slice w d s f)"]))
+            out.append(replace(rule(f"{op.name}-slice-of-whole-{i}", [f"(= e ({op.name} {args}{tail}))",
+                                                                       f"(= w ({op.name} {whole}{tail}))", "(= w (D n))"],
+                                    ["(slice w d s f)"]), needs="defines"))
     return out
 
 
@@ -82,7 +83,10 @@ REDUCTIONS = ("rsum", "rmax", "rmean")  # keepdim reductions (rules/reduce.py)
 
 
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
-    return _elementwise(reg) + _one_operand(reg) + [
+    # a padded rank's real heads (a define's zeros) are where a slice of a whole rank op is
+    # met: other cases leave those rules out (Rule.needs)
+    padded = [replace(r, needs="defines") for r in _one_operand(reg)]
+    return _elementwise(reg) + padded + [
         rule("transpose-of-slice-i", ["(= e (transpose (slice x d s f) i j))", "(= x (D n))", "(= d i)"],
              ["(union e (slice (transpose x i j) j s f))"]),
         rule("transpose-of-slice-j", ["(= e (transpose (slice x d s f) i j))", "(= x (D n))", "(= d j)",
@@ -98,9 +102,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         # a batch dim sliced alike on both operands, where the whole batched product is a
         # rank tensor: a padded rank's real heads' scores are a slice of its own (TP6's last
         # rank holds 2 real query heads of 6)
-        rule("matmul-of-batch-slices", ["(= e (matmul (slice a d s f) (slice b d s f)))", "(= m (matmul a b))",
+        replace(rule("matmul-of-batch-slices", ["(= e (matmul (slice a d s f) (slice b d s f)))", "(= m (matmul a b))",
                                         "(= m (D n))", "(= (ndim a) (ndim b))", "(< d (- (ndim a) 2))"],
-             ["(union e (slice m d s f))"]),
+             ["(union e (slice m d s f))"]), needs="defines"),
     ]
 
 

@@ -18,6 +18,7 @@ matches: the query joins view, expand, view, then compares shape vecs.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from refine.expr import Term
@@ -56,7 +57,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     out.append(rewrite("transpose-expand", "(transpose (expand x sh) i j)",
                        "(expand (transpose x i j) (vec-set (vec-set sh i (vec-get sh j)) j (vec-get sh i)))",
                        "(= (vec-length sh) (ndim x))"))
-    return out
+    # a repeat cut by the ranks' blocks, and the broadcasts it leaves, arise where ranks hold
+    # copies of KV heads, which defines state: other cases leave these rules out (Rule.needs)
+    return [replace(r, needs="defines") for r in out]
 
 
 def _repeat_term(x: Term, shape: tuple[int, ...], d: int, n: int) -> Term:

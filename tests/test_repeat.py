@@ -43,7 +43,8 @@ def _chain(parts: list[Term]) -> Term:
 def _proven(seq: Term, checks: list[Term]) -> list[bool]:
     prog = DistProgram()
     prog.add("x@0", TensorType((B, S, H, HD), "float32"), None, None)
-    res = prove.Engine(REG).step(seq, prog, REG, ["x@0"], checks=checks, iterations=prove.ITERATIONS)
+    res = prove.Engine(REG, features=frozenset({"defines"})).step(seq, prog, REG, ["x@0"], checks=checks,
+                                                                  iterations=prove.ITERATIONS)
     return res.checks
 
 
