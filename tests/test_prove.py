@@ -72,7 +72,7 @@ def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.Monk
     for early in (False, True):
         monkeypatch.setattr(prove, "EARLY_STOP", early)
         engine = prove.Engine(registry)  # its own step cache: nothing reused across the modes
-        monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, e=engine: e)
+        monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), e=engine: e)
         report = check_files(seq, dist)
         assert report.refines, str(report)
         seen[early] = ([(o.name, o.relation) for o in report.outputs], sum(engine.fired.values()))
@@ -111,5 +111,5 @@ def test_shape_audit_finds_a_class_with_two_shapes(tmp_path: Path, monkeypatch: 
     with pytest.raises(prove.ShapeConflict, match="two shapes"):
         engine._solve(program, [])
     engine._solve(program.replace("(vec-of 3 2)", "(vec-of 2 3)"), [])  # equal shapes: quiet
-    monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, e=engine: e)
+    monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), e=engine: e)
     assert check_files(*_stacked_tp_mlp(tmp_path, layers=2)).refines
