@@ -210,15 +210,16 @@ class _Values:
         return v
 
 
-def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int, dict[Unit, Unit | None]] | None:
+def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int, dict[Unit, Unit]] | None:
     """The dim along which the most unit slices of these tensors (one base name on its
-    ranks) equal an earlier one, and for each unit its first equal (None: all zero);
+    ranks) equal an earlier one, and for each unit its first equal (all-zero units, a
+    padded head, are left out: zeros as proof premises blow the e-graph up);
     units equal to no earlier one are left out."""
     shape = prog.types[names[0]].shape
     if any(prog.types[x].shape != shape for x in names) or not all(isinstance(s, int) for s in shape):
         return None
     vals = {x: values(x) for x in names}
-    best: tuple[int, dict[Unit, Unit | None]] | None = None
+    best: tuple[int, dict[Unit, Unit]] | None = None
     for dim, size in enumerate(shape):
         if size < 2 or size * len(names) > MAX_UNITS:
             continue
@@ -230,7 +231,7 @@ def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int
     return best
 
 
-def _classes(names: list[str], vals: Mapping[str, Tensor], dim: int, size: int) -> dict[Unit, Unit | None]:
+def _classes(names: list[str], vals: Mapping[str, Tensor], dim: int, size: int) -> dict[Unit, Unit]:
     units: list[tuple[Unit, Tensor]] = [((x, j), vals[x].select(dim, j)) for x in names for j in range(size)]
     n = units[0][1].numel()
     proj = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -239,7 +240,7 @@ def _classes(names: list[str], vals: Mapping[str, Tensor], dim: int, size: int) 
         flat = v.reshape(-1).to(torch.float64)
         keyed.append((float(flat @ proj), float(flat.abs().sum()), i, u, flat))
     keyed.sort(key=lambda k: k[0])
-    out: dict[Unit, Unit | None] = {}
+    out: dict[Unit, Unit] = {}
     group: list[tuple[float, float, int, Unit, Tensor]] = []
 
     def close_group() -> None:
@@ -247,7 +248,7 @@ def _classes(names: list[str], vals: Mapping[str, Tensor], dim: int, size: int) 
         members = sorted(group, key=lambda k: k[2])
         firsts: list[tuple[Unit, Tensor]] = []
         for _, mag, _, u, flat in members:
-            if mag == 0.0:  # padding: no copy of anything (zeros as premises blow the e-graph up)
+            if mag == 0.0:  # padding: no copy of anything
                 continue
             for f, fv in firsts:
                 if torch.allclose(flat, fv, rtol=1e-6, atol=1e-9):
@@ -270,9 +271,9 @@ def _unit(x: str, dim: int, j: int) -> Term:
     return Term("slice", (leaf(x),), (dim, j, j + 1))
 
 
-def _prove(names: list[str], dim: int, cls: dict[Unit, Unit | None], prog: DistProgram, engine: Engine,
+def _prove(names: list[str], dim: int, cls: dict[Unit, Unit], prog: DistProgram, engine: Engine,
            registry: Registry, region: set[str]) -> set[Unit]:
-    """The units of `cls` proven equal to their first (or to zeros), one e-graph per rank
+    """The units of `cls` proven equal to their first, one e-graph per rank
     tensor: the concat of its copied units against the concat of what they copy. Equal
     pieces of equal shapes make equal concats and only they do, so one check proves all."""
     proven: set[Unit] = set()
@@ -280,12 +281,9 @@ def _prove(names: list[str], dim: int, cls: dict[Unit, Unit | None], prog: DistP
         mine = sorted(j for (y, j) in cls if y == x)
         if not mine:
             continue
-        unit_shape = list(prog.types[x].shape)
-        unit_shape[dim] = 1
         lhs = cat([_unit(x, dim, j) for j in mine], dim)
-        rhs = cat([_unit(h[0], dim, h[1]) if (h := cls[(x, j)]) is not None
-                   else Term("full", (), (0.0, tuple(unit_shape))) for j in mine], dim)
-        holders = sorted({h[0] for j in mine if (h := cls[(x, j)]) is not None} | {x})
+        rhs = cat([_unit(cls[(x, j)][0], dim, cls[(x, j)][1]) for j in mine], dim)
+        holders = sorted({cls[(x, j)][0] for j in mine} | {x})
         tensors = _proof_tensors(prog, holders, region)
         res = engine.step(lhs, prog, registry, tensors, checks=[rhs], iterations=PROOF_ITERATIONS, early=False,
                           both=True)
@@ -323,44 +321,28 @@ def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> lis
     return out
 
 
-def _form(x: str, dim: int, cls: dict[Unit, Unit | None], proven: set[Unit], prog: DistProgram) -> Term | None:
+def _form(x: str, dim: int, cls: dict[Unit, Unit], proven: set[Unit], prog: DistProgram) -> Term | None:
     """`x` as a concat of runs: its own units, broadcasts of one unit it or another rank
-    holds, slices of another tensor's consecutive units, zeros. None: no proven copy."""
+    holds, slices of another tensor's consecutive units. None: no proven copy."""
     shape = list(prog.types[x].shape)
     size = shape[dim]
-    keys: list[tuple[str, object]] = []  # per unit: ("own", j) / ("of", (holder, j)) / ("zero", None)
-    for j in range(size):
-        u = (x, j)
-        if u in proven and u in cls:
-            h = cls[u]
-            keys.append(("zero", None) if h is None else ("of", h))
-        else:
-            keys.append(("of", u))
-    if all(k == ("of", (x, j)) for j, k in enumerate(keys)):
+    keys: list[Unit] = [cls[(x, j)] if (x, j) in proven and (x, j) in cls else (x, j) for j in range(size)]
+    if all(k == (x, j) for j, k in enumerate(keys)):
         return None
     pieces: list[Term] = []
     j = 0
     while j < size:
-        kind, what = keys[j]
+        holder, hj = keys[j]
         k = j + 1
-        if kind == "zero":
-            while k < size and keys[k][0] == "zero":
-                k += 1
-            sh = list(shape)
+        while k < size and keys[k] == keys[j]:
+            k += 1
+        sh = list(shape)
+        if k - j > 1:  # one unit, copied: its broadcast
             sh[dim] = k - j
-            pieces.append(Term("full", (), (0.0, tuple(sh))))
-        else:
-            while k < size and keys[k] == keys[j]:
+            pieces.append(Term("expand", (_unit(holder, dim, hj),), (tuple(sh),)))
+        else:  # consecutive units of one holder (each once): one slice
+            while k < size and keys[k] == (holder, hj + (k - j)) and (k + 1 >= size or keys[k + 1] != keys[k]):
                 k += 1
-            holder, hj = what  # type: ignore[misc]
-            if k - j > 1:  # one unit, copied: its broadcast
-                sh = list(shape)
-                sh[dim] = k - j
-                pieces.append(Term("expand", (_unit(holder, dim, hj),), (tuple(sh),)))
-            else:  # consecutive units of one holder: one slice
-                while k < size and keys[k][0] == "of" and keys[k][1] == (holder, hj + (k - j)) \
-                        and (k + 1 >= size or keys[k + 1] != keys[k]):
-                    k += 1
-                pieces.append(Term("slice", (leaf(holder),), (dim, hj, hj + (k - j))))
+            pieces.append(Term("slice", (leaf(holder),), (dim, hj, hj + (k - j))))
         j = k
     return cat(pieces, dim)
