@@ -364,7 +364,12 @@ def eval_term(t: Term, registry: Registry, leaves: Mapping[str, Tensor] | Callab
         memo[t] = v
         return v
 
-    return go(t)
+    try:
+        return go(t)
+    finally:
+        # `go` refers to itself, a cycle only the collector frees: the values it holds (its
+        # memo, the leaves) would outlive the call, gigabytes on a vocab-sized layout
+        go = None  # type: ignore[assignment]  # noqa: F841
 
 
 # ---------------------------------------------------------------------------------------
@@ -441,6 +446,7 @@ def split_placed(x: Tensor, placements: tuple[Placement, ...], mesh: Mesh, gen: 
             go(axis + 1, coords + (c,), part)
 
     go(0, (), x)
+    go = None  # type: ignore[assignment]  # noqa: F841 - the cycle through `go` would keep `out` alive (eval_term)
     return out
 
 
