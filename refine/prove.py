@@ -283,9 +283,9 @@ class Engine:
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
         self.stats["seconds"] += dt
-        # a step told facts about parts of rank inputs is not replayed: its premises do not list them
-        premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired) \
-            if not check_texts and not told else None
+        # the facts told about parts of rank inputs are premises too
+        premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired,
+                               [prog.facts[i] for i in told]) if not check_texts else None
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS, early: bool = True) -> _Solved:
@@ -693,20 +693,20 @@ class _Emitter:
                 self.emitted.add(line)
                 self.lines.append(line)
 
-    def facts(self) -> int:
+    def facts(self) -> list[int]:
         """State every fact of the program (DistProgram.facts) that names a rank tensor the
-        e-graph holds, until none is left; returns how many."""
+        e-graph holds, until none is left; returns their indices, in the order told."""
         find = self.prog.same.find
-        told: set[int] = set()
+        told: list[int] = []
         more = True
         while more:
             more = False
             for i, (a, b) in enumerate(self.prog.facts):
                 if i not in told and any(find(x) in self.shaped for x in a.leaves() | b.leaves()):
-                    told.add(i)
+                    told.append(i)
                     more = True
                     self.lines.append(f"(union {self.term(a, typed=True)} {self.term(b, typed=True)})")
-        return len(told)
+        return told
 
     def term(self, t: Term, typed: bool, inline: bool = False) -> str:
         if t.op in LEAF_OPS:

@@ -8,7 +8,8 @@ extracts a term equal to the sequential one:
   opaque leaves standing for sequential tensors with no clean relation);
 - for each rank tensor it names, its shape;
 - for some of them, their definition: `x = op(a, b)`, over the names of the classes of
-  equal rank tensors (`DistProgram.same`).
+  equal rank tensors (`DistProgram.same`);
+- the facts about parts of rank inputs (`DistProgram.facts`) that name a tensor it holds.
 
 Its conclusion, `seq term = best` (and `seq term = f` for each rank tensor f in `found`), is
 derived from these premises by the rules alone, and no rule looks at a tensor's name: a
@@ -16,7 +17,7 @@ name is only a free variable. So for any renaming `pi` that is one-to-one on the
 renamed premises derive the renamed conclusion. If every renamed premise is a true fact of
 the rank program (each renamed tensor is a class representative with the same shape, each
 renamed definition is the definition of some member of the renamed tensor's class, each
-renamed opaque leaf is an opaque sequential tensor of the same shape) and the renamed
+renamed fact is a fact of the program, each renamed opaque leaf is an opaque sequential tensor of the same shape) and the renamed
 sequential term is exactly the term of the node being related, then the renamed conclusion
 is a true relation for that node, without running the e-graph. That is the whole soundness
 argument: `Replayer.replay` checks every premise (`_valid`) before it uses a result, and how
@@ -61,10 +62,11 @@ class Premises:
     defs: tuple[tuple[str, Term], ...]  # rank tensor -> its definition
     outputs: bool  # rank outputs were related too (never replayed)
     fired: Counter[str]  # rule matches of the proof, counted again when it is replayed
+    facts: tuple[tuple[Term, Term], ...] = ()  # equalities of parts of rank inputs
 
     @staticmethod
     def of(seq: Term, prog: DistProgram, defined: Iterable[str], shaped: Iterable[str], opaque: Iterable[str],
-           outputs: bool, fired: Counter[str]) -> Premises:
+           outputs: bool, fired: Counter[str], facts: Iterable[tuple[Term, Term]] = ()) -> Premises:
         find = prog.same.find
         defs = []
         for x in defined:
@@ -72,7 +74,8 @@ class Premises:
             assert d is not None
             defs.append((find(x), canon(d, find)))
         return Premises(canon(seq, find), tuple((r, prog.types[r].shape) for r in sorted(shaped)),
-                        tuple((u, prog.opaque[u].shape) for u in sorted(opaque)), tuple(defs), outputs, fired)
+                        tuple((u, prog.opaque[u].shape) for u in sorted(opaque)), tuple(defs), outputs, fired,
+                        tuple((canon(a, find), canon(b, find)) for a, b in facts))
 
 
 def canon(t: Term, find: Callable[[str], str]) -> Term:
@@ -141,19 +144,35 @@ class Replayer:
         self.prog, self.stats, self.fired = prog, stats, fired
         self.memo: dict[Hashable, list[tuple[Premises, StepResult]]] = {}
         self._defs: dict[str, Term | None] = {}  # rank tensor -> its definition over representatives
-        self._unions = -1  # how many unions `_defs` was computed under
+        self._facts: set[tuple[Term, Term]] = set()  # the program's facts over representatives
+        self._unions = -1  # how many unions `_defs` and `_facts` were computed under
 
     def _def(self, y: str) -> Term | None:
-        """`canon` of y's definition, kept until the next union of two classes (each union
-        adds one entry to the union-find's parent map, and nothing else does)."""
-        unions = len(self.prog.same.parent)
-        if unions != self._unions:
-            self._defs.clear()
-            self._unions = unions
+        """`canon` of y's definition, kept until the next union of two classes."""
+        self._fresh()
         if y not in self._defs:
             d = self.prog.defs.get(y)
             self._defs[y] = None if d is None else canon(d, self.prog.same.find)
         return self._defs[y]
+
+    def _fresh(self) -> None:
+        """Forget what was computed over representatives if two classes were joined since
+        (each union adds one entry to the union-find's parent map, and nothing else does)."""
+        unions = len(self.prog.same.parent)
+        if unions != self._unions:
+            self._defs.clear()
+            self._facts.clear()
+            self._unions = unions
+
+    def _fact(self, a: Term, b: Term) -> bool:
+        """Whether a = b is a fact of the program (either way round), over representatives."""
+        self._fresh()
+        if not self._facts and self.prog.facts:
+            find = self.prog.same.find
+            for x, y in self.prog.facts:
+                x, y = canon(x, find), canon(y, find)
+                self._facts.update(((x, y), (y, x)))
+        return (a, b) in self._facts
 
     def key(self, term: Term) -> Hashable:
         """The term's ops and attributes, its leaves numbered by first appearance, their shapes."""
@@ -254,6 +273,8 @@ class Replayer:
                 r, _ = rest[0]
                 pi[("D", r)] = find(r)
             todo = rest
+        for a, b in prem.facts:
+            self._match_fact(a, b, pi)
         for r, _ in prem.shapes:
             pi.setdefault(("D", r), find(r))
         for u, _ in prem.opaque:
@@ -270,6 +291,24 @@ class Replayer:
                 pi.update(ext)
                 return True
         return False
+
+    def _match_fact(self, a: Term, b: Term, pi: dict[Name, str]) -> None:
+        """Rename a fact's leaves not renamed yet after a fact of this program that names a
+        renamed one (rank 5's padded weight copies rank 4's heads: the fact about layer k's
+        names layer k's rank 4 weight, which no definition of the step leads to)."""
+        leaves = a.leaves() | b.leaves()
+        if all(("D", x) in pi for x in leaves):
+            return
+        prog, find = self.prog, self.prog.same.find
+        for x in sorted(x for x in leaves if ("D", x) in pi):
+            for m in prog.same.group(pi[("D", x)]):
+                for i in prog.fact_index.get(m, ()):
+                    fa, fb = (canon(t, find) for t in prog.facts[i])
+                    for p, q in ((fa, fb), (fb, fa)):
+                        ext: dict[Name, str] = {}
+                        if _match(a, p, pi, ext) and _match(b, q, pi | ext, ext):
+                            pi.update(ext)
+                            return
 
     def _lookup(self, r: str, d: Term, pi: dict[Name, str]) -> str | None:
         """The class of a tensor defined as d renamed, among the users of the classes its
@@ -325,4 +364,9 @@ class Replayer:
             want = rename(d, pi)
             if not any(self._def(y) == want for y in prog.same.group(pi[("D", r)])):
                 return False
+        try:
+            if not all(self._fact(rename(a, pi), rename(b, pi)) for a, b in prem.facts):
+                return False
+        except KeyError:  # a fact's leaf the step held without a shape (never: each is shaped)
+            return False
         return rename(prem.seq, pi) == target

@@ -28,21 +28,22 @@ Q, KV, RANKS = 6, 2, 3
 HOLDS = {0: (0, 0), 1: (0, 1), 2: (1, 1)}  # each rank's KV head per local query head
 
 
-def _k(h: int) -> str:
-    return f"slice(wk, 1, {h * HD}, {(h + 1) * HD})"
+def _k(h: int, layer: str = "") -> str:
+    return f"slice(wk{layer}, 1, {h * HD}, {(h + 1) * HD})"
 
 
-def _proj(g: GraphBuilder, heads: int, kv: int, rotary: bool) -> tuple[str, str]:
+def _proj(g: GraphBuilder, heads: int, kv: int, rotary: bool, layer: str = "") -> tuple[str, str]:
     """q (heads first) and k ([T, kv, HD]) of x, rotated with `rotary` (Neuron's halves
-    times a cos and sin broadcast over the heads)."""
-    x = g.input("x", [T, H])
-    wq, wk = g.input("wq", [H, heads * HD], role="parameter"), g.input("wk", [H, kv * HD], role="parameter")
-    c = g.input("c", [T, 1, HD // 2])
-    q = g.op("view", g.op("matmul", x, wq, name="qp"), name="qv", shape=[T, heads, HD])
-    k = g.op("view", g.op("matmul", x, wk, name="kp"), name="kv", shape=[T, kv, HD])
+    times a cos and sin broadcast over the heads); `layer` suffixes the weights and nodes."""
+    x = g.input("x", [T, H]) if layer in ("", "0") else "x"
+    c = g.input("c", [T, 1, HD // 2]) if layer in ("", "0") else "c"
+    wq = g.input(f"wq{layer}", [H, heads * HD], role="parameter")
+    wk = g.input(f"wk{layer}", [H, kv * HD], role="parameter")
+    q = g.op("view", g.op("matmul", x, wq, name=f"qp{layer}"), name=f"qv{layer}", shape=[T, heads, HD])
+    k = g.op("view", g.op("matmul", x, wk, name=f"kp{layer}"), name=f"kv{layer}", shape=[T, kv, HD])
     if rotary:
-        q, k = _rotate(g, q, heads, c, "q"), _rotate(g, k, kv, c, "k")
-    return g.op("transpose", q, name="qt", dim0=0, dim1=1), k
+        q, k = _rotate(g, q, heads, c, f"q{layer}"), _rotate(g, k, kv, c, f"k{layer}")
+    return g.op("transpose", q, name=f"qt{layer}", dim0=0, dim1=1), k
 
 
 def _rotate(g: GraphBuilder, x: str, heads: int, c: str, tag: str) -> str:
@@ -54,30 +55,38 @@ def _rotate(g: GraphBuilder, x: str, heads: int, c: str, tag: str) -> str:
     return g.op("cat", lo, hi, name=f"r{tag}", dim=2)
 
 
-def _case(tmp_path: Path, holds: dict[int, tuple[int, ...]] = HOLDS, rotary: bool = True) -> tuple[Path, Path]:
+def _case(tmp_path: Path, holds: dict[int, tuple[int, ...]] = HOLDS, rotary: bool = True,
+          layers: int = 1, last: dict[int, tuple[int, ...]] | None = None) -> tuple[Path, Path]:
+    """`layers` > 1: that many attention score blocks over one x, each with its own weights
+    (names suffixed 0, 1, ...); the last one's KV heads are held as `last` says (default `holds`)."""
+    tags = [""] if layers == 1 else [str(i) for i in range(layers)]
     s = GraphBuilder()
-    q, k = _proj(s, Q, KV, rotary)
     n = Q // KV
-    k = s.op("view", k, name="k1", shape=[T, KV, 1, HD])
-    k = s.op("view", s.op("expand", k, name="ke", shape=[T, KV, n, HD]), name="krep", shape=[T, Q, HD])
-    k = s.op("transpose", s.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
-    s.output("sc", s.op("matmul", q, k, name="sc"))
+    for t in tags:
+        q, k = _proj(s, Q, KV, rotary, t)
+        k = s.op("view", k, name=f"k1{t}", shape=[T, KV, 1, HD])
+        k = s.op("view", s.op("expand", k, name=f"ke{t}", shape=[T, KV, n, HD]), name=f"krep{t}", shape=[T, Q, HD])
+        k = s.op("transpose", s.op("transpose", k, name=f"kt{t}", dim0=0, dim1=1), name=f"ktt{t}", dim0=1, dim1=2)
+        s.output(f"sc{t}", s.op("matmul", q, k, name=f"sc{t}"))
     ranks = {}
     per = Q // RANKS
     for r in range(RANKS):
         d = GraphBuilder()
-        q, k = _proj(d, per, per, rotary)
-        k = d.op("transpose", d.op("transpose", k, name="kt", dim0=0, dim1=1), name="ktt", dim0=1, dim1=2)
-        d.output("sc", d.op("matmul", q, k, name="sc"))
+        for t in tags:
+            q, k = _proj(d, per, per, rotary, t)
+            k = d.op("transpose", d.op("transpose", k, name=f"kt{t}", dim0=0, dim1=1), name=f"ktt{t}", dim0=1, dim1=2)
+            d.output(f"sc{t}", d.op("matmul", q, k, name=f"sc{t}"))
         ranks[r] = d
-    rel: list[dict[str, Any]] = [
-        {"from": "x", "placements": ["Replicate"]},
-        {"from": "c", "placements": ["Replicate"]},
-        {"from": "wq", "layout": f"cat({', '.join(f'wq@{r}' for r in range(RANKS))}, dim=1)"},
-        {"from": "wk", "layout": f"cat(slice(wk@0, 1, 0, {HD}), slice(wk@1, 1, {HD}, {2 * HD}), dim=1)"},
-        *({"define": f"wk@{r}", "as": f"cat({', '.join(_k(h) for h in hs)}, dim=1)"} for r, hs in holds.items()),
-    ]
-    exp = [{"output": "sc", "layout": [f"cat({', '.join(f'sc@{r}' for r in range(RANKS))}, dim=0)"]}]
+    rel: list[dict[str, Any]] = [{"from": "x", "placements": ["Replicate"]}, {"from": "c", "placements": ["Replicate"]}]
+    exp = []
+    for t in tags:
+        held = last if last is not None and t == tags[-1] else holds
+        rel += [
+            {"from": f"wq{t}", "layout": f"cat({', '.join(f'wq{t}@{r}' for r in range(RANKS))}, dim=1)"},
+            {"from": f"wk{t}", "layout": f"cat(slice(wk{t}@0, 1, 0, {HD}), slice(wk{t}@1, 1, {HD}, {2 * HD}), dim=1)"},
+            *({"define": f"wk{t}@{r}", "as": f"cat({', '.join(_k(h, t) for h in hs)}, dim=1)"} for r, hs in held.items()),
+        ]
+        exp.append({"output": f"sc{t}", "layout": [f"cat({', '.join(f'sc{t}@{r}' for r in range(RANKS))}, dim=0)"]})
     write_case(tmp_path, seq_doc(s), dist_doc({"tp": RANKS}, ranks, rel, exp))
     return tmp_path / "seq.json", tmp_path / "dist.json"
 
@@ -133,3 +142,27 @@ def test_a_wrong_copy_does_not_refine(tmp_path: Path, holds: dict[int, tuple[int
     report = check_files(seq_path, dist_path)
     assert not report.refines, str(report)
     assert [r.ok for r in differential(*_load(seq_path, dist_path), REG, seed=0)] == [False]
+
+
+def test_a_second_layer_is_replayed_with_its_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two layers: the second's steps told the defines' facts (a rank's key weight is copies
+    of its own heads) are replayed from the first's, each renamed fact checked to be a fact
+    of the second layer (refine.reuse); a wrong copy in the second layer alone is found there."""
+    from refine.reuse import Replayer
+
+    told: list[bool] = []  # per accepted replay: whether its premises held facts
+    valid = Replayer._valid
+
+    def counted(self: Replayer, prem: Any, pi: Any, target: Any) -> bool:
+        ok = valid(self, prem, pi, target)
+        if ok:
+            told.append(bool(prem.facts))
+        return ok
+
+    monkeypatch.setattr(Replayer, "_valid", counted)
+    report = check_files(*_case(tmp_path / "a", layers=2))
+    assert report.refines, str(report)
+    assert any(told), told  # steps over the facts were replayed, not proven again
+    told.clear()
+    bad = check_files(*_case(tmp_path / "b", layers=2, last={0: (0, 0), 1: (0, 1), 2: (1, 0)}))
+    assert not bad.refines and bad.culprit is not None and bad.culprit.node == "sc1", str(bad)

@@ -244,3 +244,61 @@ def test_gpt_eight_layers_cost_one(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert nodes8 - nodes1 >= 7 * 40, counts  # a gpt layer is ~60 lowered sequential nodes
     assert steps8 == steps1, counts
     assert replayed8 - replayed1 == nodes8 - nodes1, counts
+
+
+def test_a_replayed_fact_must_be_a_fact_here() -> None:
+    """A step told a fact (a rank weight equal to copies of its own first head) is replayed
+    onto another layer only if the renamed fact is one of that layer's: the renaming comes
+    from the definitions and from matching the layer's facts, the check from the facts alone."""
+    from collections import Counter
+
+    from refine.ir import TensorType
+    from refine.relate import DistProgram
+    from refine.reuse import Premises
+
+    def head(w: str, j: int) -> Term:
+        return Term("slice", (leaf(w),), (1, 2 * j, 2 * j + 2))
+
+    prog = DistProgram()
+    for i in (0, 1):
+        prog.add(f"x{i}@0", TensorType((4, 4)), None, None)
+        prog.add(f"w{i}@0", TensorType((4, 4)), None, None)
+        prog.add(f"p{i}@0", TensorType((4, 4)), Term("matmul", (leaf(f"x{i}@0"), leaf(f"w{i}@0"))), None)
+    prog.add_fact(leaf("w0@0"), Term("cat", (head("w0@0", 0), head("w0@0", 0)), (1,)))
+    # layer 1's weight copies its second head instead
+    prog.add_fact(leaf("w1@0"), Term("cat", (head("w1@0", 1), head("w1@0", 1)), (1,)))
+    seq0 = Term("view", (leaf("p0@0"),), ((16,),))
+    prem = Premises.of(seq0, prog, ["p0@0"], ["p0@0", "x0@0", "w0@0"], [], False, Counter(), [prog.facts[0]])
+    rep = Replayer(prog, {"replayed": 0}, Counter())
+    seq1 = Term("view", (leaf("p1@0"),), ((16,),))
+    pi = rep._map(prem, seq1)
+    assert pi is not None and pi[("D", "w0@0")] == "w1@0"
+    assert not rep._valid(prem, pi, seq1)  # w1's fact is another one
+    prog.add_fact(leaf("w1@0"), Term("cat", (head("w1@0", 0), head("w1@0", 0)), (1,)))
+    rep = Replayer(prog, {"replayed": 0}, Counter())
+    pi = rep._map(prem, seq1)
+    assert pi is not None and rep._valid(prem, pi, seq1)
+
+
+def test_a_tensor_only_a_fact_names_is_renamed_after_the_facts() -> None:
+    """TP6's rank 5 pads its weight and copies rank 4's heads: layer k's fact names layer
+    k's rank-4 weight, which no definition of the step reaches; it is renamed by matching
+    the layer's facts, so the renamed fact holds."""
+    from collections import Counter
+
+    from refine.ir import TensorType
+    from refine.relate import DistProgram
+    from refine.reuse import Premises
+
+    prog = DistProgram()
+    for i in (0, 1):
+        for t in ("x", "w", "v"):
+            prog.add(f"{t}{i}@0", TensorType((4, 4)), None, None)
+        prog.add(f"p{i}@0", TensorType((4, 4)), Term("matmul", (leaf(f"x{i}@0"), leaf(f"w{i}@0"))), None)
+        prog.add_fact(leaf(f"w{i}@0"), Term("cat", (Term("slice", (leaf(f"v{i}@0"),), (1, 0, 2)),) * 2, (1,)))
+    seq0, seq1 = (Term("view", (leaf(f"p{i}@0"),), ((16,),)) for i in (0, 1))
+    prem = Premises.of(seq0, prog, ["p0@0"], ["p0@0", "x0@0", "w0@0", "v0@0"], [], False, Counter(), [prog.facts[0]])
+    rep = Replayer(prog, {"replayed": 0}, Counter())
+    pi = rep._map(prem, seq1)
+    assert pi is not None and pi[("D", "v0@0")] == "v1@0"
+    assert rep._valid(prem, pi, seq1)
