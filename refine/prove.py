@@ -809,23 +809,31 @@ def _users_of_class(prog: DistProgram, x: str) -> set[str]:
 
 
 def _ancestry(prog: DistProgram, names: list[str], depth: int) -> list[str]:
-    """`names` and the rank tensors their definitions read, `depth` definitions back, inputs first."""
-    out: list[str] = []
-    seen: set[str] = set()
+    """`names` and the rank tensors their definitions read, `depth` definitions back, inputs
+    first; not past a tensor whose class every name reaches (two ranks' products of one
+    replicated activation need nothing behind it: past layer one, that is the layers before)."""
+    find = prog.same.find
 
-    def go(x: str, k: int) -> None:
-        if x in seen:
-            return
-        seen.add(x)
-        d = prog.defs.get(x)
-        if d is not None and k > 0:
-            for dep in sorted(d.leaves()):
-                go(dep, k - 1)
-        out.append(x)
+    def walk(roots: list[str], stop: set[str]) -> list[str]:
+        out: list[str] = []
+        seen: set[str] = set()
 
-    for n in names:
-        go(n, depth)
-    return out
+        def go(x: str, k: int) -> None:
+            if x in seen:
+                return
+            seen.add(x)
+            d = prog.defs.get(x)
+            if d is not None and k > 0 and find(x) not in stop:
+                for dep in sorted(d.leaves()):
+                    go(dep, k - 1)
+            out.append(x)
+
+        for n in roots:
+            go(n, depth)
+        return out
+
+    shared = set.intersection(*({find(x) for x in walk([n], set())} for n in names)) if len(names) > 1 else set()
+    return walk(names, shared)
 
 
 # ---------------------------------------------------------------------------------------
