@@ -178,15 +178,11 @@ class _Values:
         self.memo: dict[str, Tensor] = {}
         self.outside: dict[str, Tensor] = {}
         self.eval_term = eval_term
-        seq_vals: dict[str, Tensor] = {}
-        for d in dist.defines:
-            name = tensor_name(d.rank, d.input)
-            if name not in prog.types:
-                continue
-            for x in sorted(d.term.leaves()):
-                if x not in seq_vals:
-                    seq_vals[x] = self._random(seq.type_of(x))
-            self.memo[name] = eval_term(d.term, registry, seq_vals).to(torch.float64)
+        self.seq = seq
+        self.seq_vals: dict[str, Tensor] = {}
+        # evaluated when read: every layer's MLP weights are defined too (gigabytes, and
+        # seconds of random draws, that no copy search reads)
+        self.defines = {name: d.term for d in dist.defines if (name := tensor_name(d.rank, d.input)) in prog.types}
 
     def _random(self, typ: TensorType) -> Tensor:
         from refine.evaluate import _random
@@ -199,7 +195,13 @@ class _Values:
         from refine.prove import is_constant
 
         d = self.prog.defs.get(name)
-        if d is not None and (name in self.region or is_constant(self.prog, name)):
+        if name in self.defines:  # a defined rank input: from the random sequential inputs
+            term = self.defines[name]
+            for x in sorted(term.leaves()):
+                if x not in self.seq_vals:
+                    self.seq_vals[x] = self._random(self.seq.type_of(x))
+            v = self.eval_term(term, self.registry, self.seq_vals).to(torch.float64)
+        elif d is not None and (name in self.region or is_constant(self.prog, name)):
             v = self.eval_term(d, self.registry, self)
         else:
             base = name.rpartition("@")[0]
@@ -232,13 +234,16 @@ def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int
 
 
 def _classes(names: list[str], vals: Mapping[str, Tensor], dim: int, size: int) -> dict[Unit, Unit]:
-    units: list[tuple[Unit, Tensor]] = [((x, j), vals[x].select(dim, j)) for x in names for j in range(size)]
-    n = units[0][1].numel()
+    # each tensor's unit slices as the rows of a matrix: one product signs them all
+    rows = {x: vals[x].movedim(dim, 0).reshape(size, -1).to(torch.float64) for x in names}
+    n = rows[names[0]].shape[1]
     proj = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     keyed = []
-    for i, (u, v) in enumerate(units):
-        flat = v.reshape(-1).to(torch.float64)
-        keyed.append((float(flat @ proj), float(flat.abs().sum()), i, u, flat))
+    for x in names:
+        m = rows[x]
+        sig, mag = (m @ proj).tolist(), m.abs().sum(1).tolist()
+        for j in range(size):
+            keyed.append((sig[j], mag[j], len(keyed), (x, j), m[j]))
     keyed.sort(key=lambda k: k[0])
     out: dict[Unit, Unit] = {}
     group: list[tuple[float, float, int, Unit, Tensor]] = []
