@@ -430,6 +430,33 @@ def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
 
 @needs_corpus
 @SLOW
+def test_aws_llama_tp6_second_layer_is_replayed(tmp_path: Path) -> None:
+    """TP6 two layers: every step of the second layer is replayed from the first's, those
+    told the defines' facts too (refine.reuse), and the copies' proofs hit the engine's
+    cache; a wrong KV copy in the second layer alone is found at that layer's scores.
+    Measured: 212 nodes related, 85 replayed, 132 e-graph steps of the walk (130 for one
+    layer). Slow: ~2.5 min CPU."""
+    r, out = _import(tmp_path, "aws_llama/tp1_layer2", "aws_llama/tp6_layer2", "aws_llama_tp6.json")
+    assert r.exit_code == 0, r.output
+    report = check_files(out / "seq.json", out / "dist.json")
+    assert report.refines, str(report)
+    assert report.stats["replayed"] >= 80, report.stats
+    doc = json.loads((out / "dist.json").read_text())
+    layer2 = max({d["define"].split("@")[0] for d in doc["relations"] if "define" in d and d["define"].endswith("@1")},
+                 key=lambda s: int(s[1:].split("_")[0]))
+    k = next(i for i, d in enumerate(doc["relations"]) if d.get("define") == f"{layer2}@1")
+    right = f"cat(slice({layer2}, 1, 384, 768), slice({layer2}, 1, 2112, 2176),"
+    assert right in doc["relations"][k]["as"]
+    doc["relations"][k]["as"] = doc["relations"][k]["as"].replace(
+        right, f"cat(slice({layer2}, 1, 384, 768), slice({layer2}, 1, 2176, 2240),")
+    (out / "dist.json").write_text(json.dumps(doc))
+    bad = check_files(out / "seq.json", out / "dist.json")
+    assert not bad.refines and bad.culprit is not None
+    assert bad.culprit.node == "dot_202", bad.culprit
+
+
+@needs_corpus
+@SLOW
 def test_aws_llama_tp6_wrong_kv_copy_is_found(tmp_path: Path) -> None:
     """Rank 1's first key head a copy of KV head 2 instead of 1 (its define): the scores
     `dot_91` do not refine. Slow: ~2 min CPU (the localization)."""
