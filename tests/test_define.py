@@ -170,6 +170,54 @@ def test_defines_are_checked_a_group_at_a_time(tmp_path: Path) -> None:
     assert e.value.where == "$.relations[4].as"
 
 
+def _layers_case(tmp_path: Path, defines: list[str]) -> tuple[Path, Path]:
+    """One padded weight per layer (w1's layout and define, once per layer): the layers'
+    define groups are one group up to the weights' names."""
+    s = GraphBuilder()
+    x = s.input("x", [8, 4])
+    ranks = {r: GraphBuilder() for r in range(2)}
+    xs = {r: g.input("x", [8, 4]) for r, g in ranks.items()}
+    rel: list[dict[str, Any]] = [{"from": "x", "placements": ["Replicate"]}]
+    for i, define in enumerate(defines):
+        w = s.input(f"w{i}", [4, 6], role="parameter")
+        s.output(f"y{i}", s.op("matmul", x, w, name=f"y{i}"))
+        for r, g in ranks.items():
+            g.output(f"y{i}", g.op("matmul", xs[r], g.input(f"w{i}", [4, 4], role="parameter"), name=f"y{i}"))
+        rel += [{"from": f"w{i}", "layout": f"cat(w{i}@0, slice(w{i}@1, 1, 0, 2), dim=1)"},
+                {"define": f"w{i}@1", "as": define.replace("w1", f"w{i}")}]
+    write_case(tmp_path, seq_doc(s), dist_doc({"tp": 2}, ranks, rel, []))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def test_a_repeated_define_group_is_checked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three layers whose define groups are one up to names: the contradiction check runs
+    once (TP6 eight layers: 40 groups of 5 kinds, 40 s to load); a layer whose define
+    differs is a group of its own, checked, and its contradiction is found at its define."""
+    import refine.evaluate as ev
+
+    calls: list[list[str]] = []
+    check = ev._define_conflict
+
+    def counted(seq: Any, dist: Any, *a: Any) -> Any:
+        calls.append(sorted(d.input for d in dist.defines))
+        return check(seq, dist, *a)
+
+    monkeypatch.setattr(ev, "_define_conflict", counted)
+    _load(*_case_dir(tmp_path / "ok", [W1_PAD] * 3))
+    assert calls == [["w0"]]
+    calls.clear()
+    wrong = "cat(slice(w1, 1, 2, 4), zeros([4, 2]), dim=1)"  # columns 2:4 where the layout reads 4:6
+    with pytest.raises(InputError, match="contradicts") as e:
+        _load(*_case_dir(tmp_path / "bad", [W1_PAD, W1_PAD, wrong]))
+    assert calls == [["w0"], ["w2"]]
+    assert e.value.where == "$.relations[6].as"
+
+
+def _case_dir(path: Path, defines: list[str]) -> tuple[Path, Path]:
+    path.mkdir()
+    return _layers_case(path, defines)
+
+
 def _rotary_case(tmp_path: Path, swap: bool = False) -> tuple[Path, Path]:
     """y = (x @ wq) * expand(c): six one-column heads over 2 ranks of 4, rank 1's last two
     padding (aws_llama TP6's rotary, small: a padded rank's query heads times the
