@@ -29,6 +29,8 @@ KINDS = ("caught", "neutral", "incomplete", "UNSOUND", "unjudged")
 # elements) and qwen2's 32768 tokens are beyond this machine, so those report verdicts only
 CASES = [
     ("aws_llama/tp2_layer1", "aws_llama/tp1_layer1", "aws_llama/tp2_layer1", "aws_llama.json", True),
+    # two layers: a mutant in either must be caught while the other layer's steps are replayed
+    ("aws_llama/tp2_layer2", "aws_llama/tp1_layer2", "aws_llama/tp2_layer2", "aws_llama.json", True),
     ("gpt/paral2_layer1", "gpt/paral1_layer1", "gpt/paral2_layer1", "gpt.json", False),
     ("qwen2/paral2_layer1", "qwen2/paral1_layer1", "qwen2/paral2_layer1", "qwen2.json", False),
 ]
