@@ -17,10 +17,11 @@ name is only a free variable. So for any renaming `pi` that is one-to-one on the
 renamed premises derive the renamed conclusion. If every renamed premise is a true fact of
 the rank program (each renamed tensor is a class representative with the same shape, each
 renamed definition is the definition of some member of the renamed tensor's class, each
-renamed fact is a fact of the program, each renamed opaque leaf is an opaque sequential tensor of the same shape) and the renamed
-sequential term is exactly the term of the node being related, then the renamed conclusion
-is a true relation for that node, without running the e-graph. That is the whole soundness
-argument: `Replayer.replay` checks every premise (`_valid`) before it uses a result, and how
+renamed fact is a fact of the program, each renamed opaque leaf is an opaque sequential
+tensor of the same shape) and the renamed sequential term is exactly the term of the node
+being related, then the renamed conclusion is a true relation for that node, without
+running the e-graph. That is the whole soundness argument: `Replayer.replay` checks every
+premise (`_valid`) before it uses a result, and how
 `pi` was found (`_map`, matching the layer's definitions against an earlier layer's) plays no
 part in it. A mismatch anywhere, a hash collision of the candidate key, or a step that
 related rank outputs (`Out` leaves, not renamed here) is no replay: the node is proven as
