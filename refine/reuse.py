@@ -145,8 +145,9 @@ class Replayer:
         self.prog, self.stats, self.fired = prog, stats, fired
         self.memo: dict[Hashable, list[tuple[Premises, StepResult]]] = {}
         self._defs: dict[str, Term | None] = {}  # rank tensor -> its definition over representatives
-        self._facts: set[tuple[Term, Term]] = set()  # the program's facts over representatives
-        self._unions = -1  # how many unions `_defs` and `_facts` were computed under
+        self._facts: list[tuple[Term, Term]] = []  # the program's facts over representatives
+        self._fact_set: set[tuple[Term, Term]] = set()  # and each either way round
+        self._unions = -1  # how many unions `_defs` and the facts were computed under
 
     def _def(self, y: str) -> Term | None:
         """`canon` of y's definition, kept until the next union of two classes."""
@@ -163,17 +164,22 @@ class Replayer:
         if unions != self._unions:
             self._defs.clear()
             self._facts.clear()
+            self._fact_set.clear()
             self._unions = unions
 
-    def _fact(self, a: Term, b: Term) -> bool:
-        """Whether a = b is a fact of the program (either way round), over representatives."""
+    def _canon_facts(self) -> list[tuple[Term, Term]]:
+        """The program's facts (`DistProgram.facts`, same indices) over representatives."""
         self._fresh()
         if not self._facts and self.prog.facts:
             find = self.prog.same.find
-            for x, y in self.prog.facts:
-                x, y = canon(x, find), canon(y, find)
-                self._facts.update(((x, y), (y, x)))
-        return (a, b) in self._facts
+            self._facts = [(canon(x, find), canon(y, find)) for x, y in self.prog.facts]
+            self._fact_set = {p for x, y in self._facts for p in ((x, y), (y, x))}
+        return self._facts
+
+    def _fact(self, a: Term, b: Term) -> bool:
+        """Whether a = b is a fact of the program (either way round), over representatives."""
+        self._canon_facts()
+        return (a, b) in self._fact_set
 
     def key(self, term: Term) -> Hashable:
         """The term's ops and attributes, its leaves numbered by first appearance, their shapes."""
@@ -300,11 +306,11 @@ class Replayer:
         leaves = a.leaves() | b.leaves()
         if all(("D", x) in pi for x in leaves):
             return
-        prog, find = self.prog, self.prog.same.find
+        prog, facts = self.prog, self._canon_facts()
         for x in sorted(x for x in leaves if ("D", x) in pi):
             for m in prog.same.group(pi[("D", x)]):
                 for i in prog.fact_index.get(m, ()):
-                    fa, fb = (canon(t, find) for t in prog.facts[i])
+                    fa, fb = facts[i]
                     for p, q in ((fa, fb), (fb, fa)):
                         ext: dict[Name, str] = {}
                         if _match(a, p, pi, ext) and _match(b, q, pi | ext, ext):
