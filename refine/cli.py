@@ -92,19 +92,27 @@ def import_group() -> None:
               help="a relation file (fused layouts, placements, checked outputs); see README")
 @click.option("--direction", type=click.Choice(["fw", "bw", "both"]), default=None,
               help="which dumps to read when a directory holds several (default: both, else fw)")
-def import_entangle_cmd(seq_dir: str, dist_dir: str, out: str, relations: str | None, direction: str | None) -> None:
+@click.option("--graph-id", "graph_id", type=click.IntRange(min=0), default=0, show_default=True,
+              help="which graph's dumps to read (<dir>.g<ID>.r<rank>.gpickle): a directory may also hold "
+                   "another graph, such as a loss-scale graph 1")
+def import_entangle_cmd(seq_dir: str, dist_dir: str, out: str, relations: str | None, direction: str | None,
+                        graph_id: int) -> None:
     """Read GraphGuard/Entangle .gpickle dumps: SEQ_DIR (the sequential graph) and DIST_DIR
     (one graph per rank); write OUT/seq.json and OUT/dist.json."""
     from refine.importer.entangle import import_case
 
     try:
-        case = import_case(seq_dir, dist_dir, relations, direction)
+        case = import_case(seq_dir, dist_dir, relations, direction, graph_id=graph_id)
         case.write(out)
     except InputError as e:
         _bad_input(str(e), "text")
         return
     except OSError as e:
         _bad_input(f"cannot write {out}: {e}", "text")
+        return
+    except Exception as e:  # noqa: BLE001 - the importer names the file; a crash past it is still no case: exit 2
+        _bad_input(f"{seq_dir}, {dist_dir}: internal error, no case written ({type(e).__name__}): {str(e)[:200]}",
+                   "text")
         return
     for g in case.guesses:
         click.echo(f"guessed: {g}")

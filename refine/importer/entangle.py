@@ -50,7 +50,8 @@ from refine.opset import Registry, load_registry
 
 _FILE = re.compile(r"(?P<dir>fw|bw|both)\.g(?P<gid>\d+)\.r(?P<rank>\d+)\.gpickle$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_LIBRARY = ("/site-packages/torch/", "/torch/_", "/torch/nn/", "/torch/autograd/", "/torch/utils/")
+# torch and its backends (torch_neuronx, torch_xla) when installed, and torch's own tree
+_LIBRARY = ("/site-packages/torch", "/torch/_", "/torch/nn/", "/torch/autograd/", "/torch/utils/")
 WRAPPERS = ("auto_functionalized", "auto_functionalized_v2")
 _BUFFERS = ("empty", "empty_like", "new_empty_strided", "new_empty")
 
@@ -98,6 +99,19 @@ def _frame_source(trace: str | None) -> tuple[str | None, str | None]:
         here = (f"{Path(m.group(1)).name}:{m.group(2)}", code)
         if best[0] is None or not any(s in m.group(1) for s in _LIBRARY):
             best = here
+    return best
+
+
+def _stack_source(stack: tuple[str, ...] | None) -> str | None:
+    """"file.py:line" of the innermost frame outside torch of a `meta["stack"]` (Neuron dumps:
+    "path:line" strings, outermost first, ending in torch_neuronx's HLO tracer)."""
+    best = None
+    for entry in stack or ():
+        path, sep, line = entry.rpartition(":")
+        if not sep or not line.isdigit():
+            continue
+        if best is None or not any(s in path for s in _LIBRARY):
+            best = f"{Path(path).name}:{line}"
     return best
 
 
@@ -183,6 +197,7 @@ def _fx_graph(pg: PGraph) -> tuple[fx.Graph, dict[str, fx.Node], fx.Node]:
                                              "call_function and output nodes")
         node.meta["pnode"] = n
         node.meta["stack_trace"] = n.stack_trace
+        node.meta["stack"] = n.stack
         if n.shape is not None:
             dt = _dtype(n.dtype)
             if dt is None:
@@ -194,7 +209,7 @@ def _fx_graph(pg: PGraph) -> tuple[fx.Graph, dict[str, fx.Node], fx.Node]:
             # a multi-output node: its getitem users carry the shapes
             outs: dict[int, _Val] = {}
             for u in users.get(n.name, []):
-                if "getitem" in u.target and u.shape is not None and isinstance(u.args[1], int):
+                if "getitem" in u.target and u.shape is not None and len(u.args) == 2 and isinstance(u.args[1], int):
                     dt = _dtype(u.dtype)
                     if dt is not None and all(isinstance(d, int) for d in u.shape):
                         outs[u.args[1]] = _Val(tuple(u.shape), dt)
@@ -269,7 +284,9 @@ class EntangleEmitter(Emitter):
 
     @property
     def source(self) -> str | None:
-        return _frame_source(self.node.meta.get("stack_trace"))[0] if self.node is not None else None
+        if self.node is None:
+            return None
+        return _frame_source(self.node.meta.get("stack_trace"))[0] or _stack_source(self.node.meta.get("stack"))
 
     def fail(self, message: str) -> CaptureError:
         n = self.node
@@ -291,6 +308,14 @@ class EntangleEmitter(Emitter):
     # -- translation
 
     def _translate(self, n: fx.Node, path: tuple[int, ...]) -> Any:
+        try:
+            return self._translate_dumped(n, path)
+        except CaptureError:
+            raise
+        except Exception as e:  # noqa: BLE001 - arguments of a kind or count the op never takes (a damaged dump)
+            raise self.fail(f"cannot translate its arguments ({type(e).__name__}: {str(e)[:200]})") from None
+
+    def _translate_dumped(self, n: fx.Node, path: tuple[int, ...]) -> Any:
         if n.op == "get_attr":
             return self._constant_value(n)
         if isinstance(n.target, _Foreign):
@@ -636,30 +661,46 @@ def convert_dump(pg: PGraph, registry: Registry, ranks: list[int], sequential: b
 # the case: files, relations, expectations
 
 
-def dumps_in(directory: str | Path, direction: str | None = None) -> tuple[str, list[Path]]:
-    """(direction, files by rank) of the dumps in a directory (one graph id)."""
+def dumps_in(directory: str | Path, direction: str | None = None, graph_id: int = 0) -> tuple[str, list[Path]]:
+    """(direction, files by rank) of the dumps of graph `graph_id` in a directory (a
+    directory may hold several graphs: a training step's loss-scale graph is graph 1)."""
     d = Path(directory)
     if not d.is_dir():
         raise InputError(str(d), "$", "not a directory of .gpickle graph dumps")
     found: dict[str, dict[int, Path]] = {}
+    gids: set[int] = set()
     for f in sorted(d.glob("*.gpickle")):
         m = _FILE.search(f.name)
         if m is None:
             raise InputError(str(f), "$", "not named <fw|bw|both>.g<gid>.r<rank>.gpickle")
-        if m.group("gid") != "0":
-            raise InputError(str(f), "$", "graph ids other than 0 (pipeline stages) are not supported")
-        found.setdefault(m.group("dir"), {})[int(m.group("rank"))] = f
+        gids.add(int(m.group("gid")))
+        if int(m.group("gid")) == graph_id:
+            found.setdefault(m.group("dir"), {})[int(m.group("rank"))] = f
     if not found:
-        raise InputError(str(d), "$", "no .gpickle graph dumps here")
+        there = f" (there are graphs {', '.join(map(str, sorted(gids)))}; --graph-id chooses one)" if gids else ""
+        raise InputError(str(d), "$", f"no .gpickle dumps of graph {graph_id} here{there}")
     if direction is None:
         # the joint graph, when there is one, has the program's own inputs (parameters, batch)
         direction = "both" if "both" in found else "fw" if "fw" in found else sorted(found)[0]
     if direction not in found:
-        raise InputError(str(d), "$", f"no {direction} dumps here (there are: {', '.join(sorted(found))})")
+        raise InputError(str(d), "$", f"no {direction} dumps of graph {graph_id} here (there are: "
+                                      f"{', '.join(sorted(found))})")
     files = found[direction]
     if sorted(files) != list(range(len(files))):
         raise InputError(str(d), "$", f"ranks {sorted(files)} of the {direction} dumps are not 0..{len(files) - 1}")
     return direction, [files[r] for r in range(len(files))]
+
+
+def load_dump(path: Path) -> PGraph:
+    """A dump whose own direction, graph id and rank (when it gives them) are its file name's."""
+    pg = load_gpickle(path)
+    m = _FILE.search(path.name)
+    if m is not None:
+        for what, said, named in (("direction", pg.direction, m.group("dir")), ("gid", pg.gid, int(m.group("gid"))),
+                                  ("rank", pg.rank, int(m.group("rank")))):
+            if said is not None and said != named:
+                raise InputError(str(path), f"$.{what}", f"the dump says {said!r} but its file name says {named!r}")
+    return pg
 
 
 def _output_shape(graph: dict[str, Any], name: str) -> tuple[int, ...]:
@@ -774,6 +815,18 @@ def _explicit(doc: dict[str, Any] | None, seq: Imported, path: Any) -> dict[int,
     return out
 
 
+def _convert_file(path: Path, registry: Registry, ranks: list[int], sequential: bool, wanted: set[int],
+                  constants: dict[str, list[float]]) -> Imported:
+    """One dump read and converted; any failure is an InputError naming the file (the
+    converter checks what it reads, this is the last line of defence)."""
+    try:
+        return convert_dump(load_dump(path), registry, ranks, sequential, wanted, constants)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - no traceback for a bad file: exit 2 naming it
+        raise InputError(str(path), "$", f"cannot convert this dump ({type(e).__name__}: {str(e)[:200]})") from None
+
+
 @dataclass
 class Case:
     seq: dict[str, Any]
@@ -797,12 +850,12 @@ def _output_spec(doc: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path | None = None,
-                direction: str | None = None, registry: Registry | None = None) -> Case:
+                direction: str | None = None, registry: Registry | None = None, graph_id: int = 0) -> Case:
     registry = registry or load_registry()
     relations_path = relations
     rel_doc = load_relations(relations) if relations is not None else None
-    seq_direction, seq_files = dumps_in(seq_dir, direction)
-    _, dist_files = dumps_in(dist_dir, direction or seq_direction)
+    seq_direction, seq_files = dumps_in(seq_dir, direction, graph_id)
+    _, dist_files = dumps_in(dist_dir, direction or seq_direction, graph_id)
     if len(seq_files) != 1:
         raise InputError(str(seq_dir), "$", f"{len(seq_files)} ranks of sequential dumps: expected one")
     n = len(dist_files)
@@ -810,9 +863,8 @@ def import_case(seq_dir: str | Path, dist_dir: str | Path, relations: str | Path
     specs = _output_spec(rel_doc)
     wanted = {int(s["index"]) for s in specs}
     consts = _constants(rel_doc)
-    seq = convert_dump(load_gpickle(seq_files[0]), registry, [0], sequential=True, wanted=wanted, constants=consts)
-    ranks = [convert_dump(load_gpickle(f), registry, group, sequential=False, wanted=wanted, constants=consts)
-             for f in dist_files]
+    seq = _convert_file(seq_files[0], registry, [0], sequential=True, wanted=wanted, constants=consts)
+    ranks = [_convert_file(f, registry, group, sequential=False, wanted=wanted, constants=consts) for f in dist_files]
 
     # outputs: by the dump's output position
     for imp in [seq, *ranks]:
