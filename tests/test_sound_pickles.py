@@ -557,6 +557,18 @@ def test_neuron_stack_source_names_the_culprit(tmp_path: Path) -> None:
     assert "rank node where it goes wrong: y.exp_t@0 at model.py:11" in text, text
 
 
+def test_stack_source_frames() -> None:
+    """The innermost "path:line" outside torch and its backends; the outermost when every
+    frame is theirs (as for FX stack traces); entries that are not "path:line" are skipped."""
+    from refine.importer.entangle import _stack_source
+
+    site = "/env/lib/python3.11/site-packages"
+    assert _stack_source(["/a/run.py:1", "/a/model.py:2", f"{site}/torch_neuronx/pyhlo/scribe.py:553"]) == "model.py:2"
+    assert _stack_source([f"{site}/torch/nn/m.py:1", f"{site}/torch_xla/core.py:2"]) == "m.py:1"
+    assert _stack_source(["<frozen>", "/a/model.py:7", "/a/model.py:x"]) == "model.py:7"
+    assert _stack_source([]) is None and _stack_source(None) is None
+
+
 @pytest.mark.skipif(not CORPUS.is_dir(), reason="the Entangle corpus is not next to this checkout")
 def test_aws_llama_nodes_have_source_lines(tmp_path: Path) -> None:
     """The aws_llama (Neuron) dumps keep their frames in meta["stack"]: every translated

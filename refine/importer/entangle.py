@@ -105,14 +105,11 @@ def _frame_source(trace: str | None) -> tuple[str | None, str | None]:
 def _stack_source(stack: tuple[str, ...] | None) -> str | None:
     """"file.py:line" of the innermost frame outside torch of a `meta["stack"]` (Neuron dumps:
     "path:line" strings, outermost first, ending in torch_neuronx's HLO tracer)."""
-    best = None
-    for entry in stack or ():
-        path, sep, line = entry.rpartition(":")
-        if not sep or not line.isdigit():
-            continue
-        if best is None or not any(s in path for s in _LIBRARY):
-            best = f"{Path(path).name}:{line}"
-    return best
+    frames = [(path, line) for path, sep, line in (e.rpartition(":") for e in stack or ()) if sep and line.isdigit()]
+    # (as _frame_source: the outermost frame when every frame is torch's)
+    path, line = next((f for f in reversed(frames) if not any(s in f[0] for s in _LIBRARY)),
+                      frames[0] if frames else ("", ""))
+    return f"{Path(path).name}:{line}" if frames else None
 
 
 def _assigned_number(code: str | None) -> float | None:
@@ -286,7 +283,10 @@ class EntangleEmitter(Emitter):
     def source(self) -> str | None:
         if self.node is None:
             return None
-        return _frame_source(self.node.meta.get("stack_trace"))[0] or _stack_source(self.node.meta.get("stack"))
+        meta = self.node.meta
+        if "stack_source" not in meta:  # once per node (each emitted node asks)
+            meta["stack_source"] = _stack_source(meta.get("stack"))
+        return _frame_source(meta.get("stack_trace"))[0] or meta["stack_source"]
 
     def fail(self, message: str) -> CaptureError:
         n = self.node
