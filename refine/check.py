@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from refine.copies import join_copies
-from refine.expr import NARY, Term
+from refine.expr import LEAF_OPS, NARY, Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Placement, Relation, case_symbols
+from refine.ir import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -87,11 +87,13 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
 
     explicit = {e.output: e for e in dist.expectations}
     results: list[OutputResult] = []
+    compared: list[list[str]] = []  # per output, the rank outputs its check compares it with
     for out in seq_core.outputs:
         rel = inf.relations[out.ref]
         ex = explicit.get(out.name)
         if ex is not None and ex.layout is not None:
             wanted = [_as_out(t) for t in ex.layout]
+            compared.append(sorted({x for t in wanted for x in t.leaves()}))
             expect = " and ".join(map(str, ex.layout))
             names = {x.rpartition("@")[0] for t in ex.layout for x in t.leaves()}
             local = names.pop() if len(names) == 1 else None  # the rank output it is expected at
@@ -99,11 +101,18 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
         elif ex is not None:
             local, pl = ex.local or out.name, ex.placements or ()
             wanted = [_as_out(t) for t in placed_terms(lambda r, local=local: f"{local}@{r}", pl, dist.mesh)]
+            compared.append(sorted({x for t in wanted for x in t.leaves()}))
             expect = f"{local} on every rank, placed [{', '.join(map(str, pl))}]"
             results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
         else:
+            compared.append([tensor_name(r, out.name) for r in sorted(dist.ranks)
+                             if tensor_name(r, out.name) in prog.outputs])
             results.append(_default(out.name, out.role, rel, prog, engine, registry, dist, seq_core))
+    for r, out, ranks in zip(results, seq_core.outputs, compared, strict=True):
+        r.computed = _computes(seq_core, out.ref, registry) or _rank_computes(prog, ranks, registry)
     refines = all(r.ok for r in results)
+    if refines and not any(r.computed for r in results):
+        raise InputError(seq_file, "$.graph.outputs", _nothing_to_check(seq, seq_core, results))
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
@@ -113,6 +122,66 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
+
+
+def _computes(g: Graph, ref: str, registry: Registry) -> bool:
+    """Whether the (core) graph computes `ref` from its inputs: some op on the way is not a
+    rearrangement (the core ops of kind "clean": concat, slice, view, transpose, expand, and
+    constants). Identities, x + 0.0 and x * 1.0 are gone at lowering: an output that is an
+    input, a view or a copy of one computes nothing."""
+    index = g.index()
+    todo, seen = [ref], set()
+    while todo:
+        n = index.get(todo.pop())
+        if not isinstance(n, Node) or n.name in seen:
+            continue
+        seen.add(n.name)
+        if registry.ops[n.op].kind != "clean":
+            return True
+        todo.extend(n.tensor_args())
+    return False
+
+
+def _rank_computes(prog: DistProgram, outputs: list[str], registry: Registry) -> bool:
+    """Whether a rank computes one of these rank outputs (`_computes` over the definitions of
+    rank tensors; a gather is a rearrangement, a reduction a sum)."""
+    todo, seen = [prog.outputs[o] for o in outputs if o in prog.outputs], set()
+    while todo:
+        x = todo.pop()
+        d = prog.defs.get(x)
+        if d is None or x in seen:
+            continue
+        seen.add(x)
+        if any(op not in LEAF_OPS and (registry.ops.get(op) is None or registry.ops[op].kind != "clean")
+               for op in d.ops()):
+            return True
+        todo.extend(d.leaves())
+    return False
+
+
+def _nothing_to_check(seq: Graph, core: Graph, results: list[OutputResult]) -> str:
+    """Why a check whose outputs all pass inputs through proves nothing."""
+    shown = []
+    for r in results[:4]:
+        ref = seq.output(r.name).ref
+        node = seq.index()[ref]
+        if not isinstance(node, Node):
+            shown.append(f"{r.name!r} is input {ref!r}")
+            continue
+        index, todo, seen = core.index(), [core.output(r.name).ref], set()
+        while todo:  # the inputs it rearranges
+            x = todo.pop()
+            if x not in seen:
+                seen.add(x)
+                n = index.get(x)
+                todo.extend(n.tensor_args() if isinstance(n, Node) else ())
+        inputs = ", ".join(sorted(x for x in seen if not isinstance(index.get(x), Node))) or "none"
+        shown.append(f"{r.name!r} is {ref!r} ({node.op}) of input(s) {inputs}")
+    more = f", and {len(results) - 4} more" if len(results) > 4 else ""
+    return ("nothing to check: no output depends on a computation. Every sequential output is an input, a view "
+            f"or copy of one, or a constant ({'; '.join(shown)}{more}), and so is every rank output it is compared with, "
+            "so a REFINES would only say that the relations place the inputs as the expectations do. "
+            "Were the wrong outputs exported (an import without its relation file, say)?")
 
 
 def _guess(r: Relation) -> str:
