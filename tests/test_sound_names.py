@@ -276,3 +276,46 @@ def test_half_a_surrogate_pair_is_refused_at_load(tmp_path: Path, half: str, whe
     (tmp_path / "dist.json").write_text(json.dumps(dist))
     r = CliRunner().invoke(main, ["check", str(tmp_path / "seq.json"), str(tmp_path / "dist.json")])
     assert r.exit_code == 2 and "seq.json" in r.output and at in r.output
+
+
+# ---------------------------------------------------------------------------------------
+# Names refine makes itself never take a rank tensor's name: refine.copies joins a synthetic
+# `x#copies@r` to x; a rank's own tensor of that name had its definition replaced and was
+# made equal to x
+
+
+def test_a_rank_tensor_named_like_the_synthetic_copies_keeps_its_definition(tmp_path: Path) -> None:
+    from test_copies import _case
+
+    from refine.check import engine_for
+    from refine.copies import join_copies
+    from refine.relate import build_program, seq_input_relations
+
+    s, d = _case(tmp_path)
+    doc = json.loads(d.read_text())
+    for r in doc["ranks"]:  # each rank's key with its rotary halves swapped, named rk#copies, used for rk
+        nodes = r["graph"]["nodes"]
+        i = next(k for k, n in enumerate(nodes) if n["name"] == "rk")
+        sh = nodes[i]["shape"]
+        half = sh[2] // 2
+        swap = [node_doc("rk_hi", "slice", ["rk"], sh[:2] + [half], dim=2, start=half, end=sh[2]),
+                node_doc("rk_lo", "slice", ["rk"], sh[:2] + [half], dim=2, start=0, end=half),
+                node_doc("rk#copies", "cat", ["rk_hi", "rk_lo"], sh, dim=2)]
+        for n in nodes[i + 1:]:
+            n["args"] = ["rk#copies" if a == "rk" else a for a in n["args"]]
+        nodes[i + 1:i + 1] = swap
+    d.write_text(json.dumps(doc))
+    seq = load_seq(s, REG)
+    dist = load_dist(d, REG, seq)
+    prog, _ = build_program(dist, REG, "dist")
+    seq_input_relations(dist, seq, prog, REG, "dist")
+    assert join_copies(seq, dist, prog, engine_for(REG), REG) > 0
+    for r in range(3):
+        mine = f"rk#copies@{r}"
+        assert str(prog.defs[mine]) == f"cat(rk_hi@{r}, rk_lo@{r}, dim=2)" and mine not in prog.copies
+        assert prog.same.find(mine) != prog.same.find(f"rk@{r}")
+    assert not check(seq, dist, REG).refines
+
+
+def node_doc(name: str, op: str, args: list[str], shape: list[int], **attrs: Any) -> dict[str, Any]:
+    return {"name": name, "op": op, "args": args, "shape": shape, "attrs": attrs}
