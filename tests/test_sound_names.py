@@ -319,3 +319,69 @@ def test_a_rank_tensor_named_like_the_synthetic_copies_keeps_its_definition(tmp_
 
 def node_doc(name: str, op: str, args: list[str], shape: list[int], **attrs: Any) -> dict[str, Any]:
     return {"name": name, "op": op, "args": args, "shape": shape, "attrs": attrs}
+
+
+# Lowering names the core nodes of a user's node after it ("e" = exp(x) becomes "e.exp_t");
+# a later node of a core op keeps its own name, and one called "e.exp_t" took the same
+# name: its users and e's read one tensor, the later one. A rank program computing
+# exp(2x) where the model has exp(x) REFINED behind a dead node "e.exp_t" = exp_t(x).
+
+LOWERED = [("exp", "exp_t"), ("relu", "relu_t"), ("sigmoid", "sigmoid_t"), ("tanh", "tanh_t")]
+
+
+def _made_up_name(op: str) -> str:
+    """The name lowering gives the core node of a node "e" = op(x)."""
+    from refine.ir import Graph, Input, Node, TensorType
+    from refine.normalize import lower
+
+    t = TensorType((2, 4), "float32")
+    g = Graph([Input("x", t)], [Node("e", op, ["x"], {}, t)], [])
+    return lower(g, REG)[1]["e"]
+
+
+def _lowered_pair(op: str, core_op: str, rank_wrong: bool, seq_dead: bool, rank_dead: bool
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """y = op(x), x sharded by rows. `rank_wrong`: the ranks compute op(2x). `seq_dead` /
+    `rank_dead`: that side also has an unused node named as lowering names e's core node,
+    computing core_op(2x) on the model's side and core_op(x) on the ranks'."""
+    made = _made_up_name(op)
+    assert made != "e"  # lowering makes a name up for e's core node
+
+    def graph(rows: int, side: str) -> dict[str, Any]:
+        sh = [rows, 4]
+        nodes = [node_doc("x2", "mul", ["x", 2.0], sh)]
+        nodes.append(node_doc("e", op, ["x2" if side == "rank" and rank_wrong else "x"], sh))
+        if side == "seq" and seq_dead:
+            nodes.append(node_doc(made, core_op, ["x2"], sh))
+        if side == "rank" and rank_dead:
+            nodes.append(node_doc(made, core_op, ["x"], sh))
+        for n in nodes:
+            if not n["attrs"]:
+                del n["attrs"]
+        return {"inputs": [{"name": "x", "shape": sh}], "nodes": nodes, "outputs": [{"name": "y", "ref": "e"}]}
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": graph(4, "seq")}
+    dist = {"format": "refine-graph", "version": 1, "kind": "distributed",
+            "mesh": {"axes": [{"name": "dp", "size": 2}]},
+            "ranks": [{"rank": r, "graph": graph(2, "rank")} for r in range(2)],
+            "relations": [{"from": "x", "placements": ["Shard(0)"]}],
+            "expectations": [{"output": "y", "placements": ["Shard(0)"]}]}
+    return seq, dist
+
+
+@pytest.mark.parametrize("op, core_op", LOWERED)
+def test_a_node_named_like_a_lowered_one_does_not_hide_a_bug(tmp_path: Path, op: str, core_op: str) -> None:
+    rep = _check(tmp_path / "rank", *_lowered_pair(op, core_op, rank_wrong=True, seq_dead=False, rank_dead=True))
+    assert not rep.refines and rep.culprit is not None and rep.culprit.node == "e"
+    # the model's side: a dead node there made the model's y op(2x), as the wrong ranks compute
+    rep = _check(tmp_path / "seq", *_lowered_pair(op, core_op, rank_wrong=True, seq_dead=True, rank_dead=False))
+    assert not rep.refines
+
+
+@pytest.mark.parametrize("op, core_op", LOWERED)
+def test_a_node_named_like_a_lowered_one_does_not_break_a_correct_program(tmp_path: Path, op: str,
+                                                                          core_op: str) -> None:
+    for side, (seq_dead, rank_dead) in {"seq": (True, False), "rank": (False, True), "both": (True, True)}.items():
+        rep = _check(tmp_path / side, *_lowered_pair(op, core_op, rank_wrong=False, seq_dead=seq_dead,
+                                                      rank_dead=rank_dead))
+        assert rep.refines, (side, str(rep))
