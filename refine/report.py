@@ -83,8 +83,8 @@ def print_report(r: Report, console: Console | None = None) -> None:
     console.print(table)
     passed = [o.name for o in r.outputs if not o.computed]
     if passed:
-        console.print(f"[yellow]passed through[/] {escape(', '.join(passed))}: an input, a view or a copy of one, or a "
-                      f"constant, on both sides (a check of how the inputs are placed only); {len(r.outputs) - len(passed)} of "
+        console.print(f"[yellow]passed through[/] {escape(', '.join(passed))}: an input, or a view or copy of one, on "
+                      f"both sides (a check of how the inputs are placed only); {len(r.outputs) - len(passed)} of "
                       f"{len(r.outputs)} outputs check a computation")
     for g in r.guesses:
         console.print(f"[yellow]guessed relation[/] {escape(g)}")

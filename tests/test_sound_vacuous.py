@@ -1,14 +1,17 @@
 """A REFINES that checks no computation is no proof. When every sequential output is an input
-passed through (the input itself, a copy, x + 0.0, x * 1.0, a view, a transpose, a concat of
-inputs, a constant) and so is every rank output it is compared with, the check has only
+passed through (the input itself, a copy, x + 0.0, x * 1.0, a view or reshape of it: its
+value given its shape) and so is every rank output it is compared with, the check has only
 compared how the relations and the expectations place the inputs: `refine check` exits 2,
 "nothing to check", naming the file. Before, it said REFINES (an Entangle pair imported
 without its relation file kept a single output, a logged copy of an input).
 
-An output passed through next to a computed one is checked as usual, and the report says
-which outputs check a computation. A pass-through the ranks compute (a sum of partial
-inputs) is a check of the rank program. A pass-through that does not hold is a wrong
-output: DOES NOT REFINE, exit 1, whatever was computed (see test_sound_localize.py)."""
+What a program can get wrong is something to check, even without arithmetic: a transpose, a
+slice, a broadcast, a concat, a gather across ranks, a constant (tests/test_repeat.py proves
+a repeat of kv heads, unsqueeze + expand + reshape, split over the ranks). An output passed
+through next to a computed one is checked as usual, and the report says which outputs check
+a computation. A pass-through the ranks compute (a sum of partial inputs) is a check of the
+rank program. A pass-through that does not hold is a wrong output: DOES NOT REFINE, exit 1
+(see test_sound_localize.py)."""
 
 from __future__ import annotations
 
@@ -44,11 +47,20 @@ def passthrough(kind: str, x: str, y: str, shape: list[int], out: str = "p") -> 
         "view": ([node(out, "view", [x], [rows * cols], {"shape": [rows * cols]})], out),
         "view_back": ([node(out + "_v", "view", [x], [rows * cols], {"shape": [rows * cols]}),
                        node(out, "view", [out + "_v"], shape, {"shape": shape})], out),
+        "unsqueeze_flatten": ([node(out + "_u", "unsqueeze", [x], [1, rows, cols], {"dim": 0}),
+                               node(out, "flatten", [out + "_u"], [rows * cols])], out),
+        # rearrangements a program can get wrong
         "cat": ([node(out, "cat", [x, y], [2 * rows, cols], {"dim": 0})], out),
+        "transpose": ([node(out, "transpose", [x], [cols, rows], {"dim0": 0, "dim1": 1})], out),
+        "slice": ([node(out, "slice", [x], [rows, cols // 2], {"dim": 1, "start": 0, "end": cols // 2})], out),
+        "expand": ([node(out + "_u", "unsqueeze", [x], [1, rows, cols], {"dim": 0}),
+                    node(out, "expand", [out + "_u"], [2, rows, cols], {"shape": [2, rows, cols]})], out),
+        "constant": ([node(out, "full", [], shape, {"shape": shape, "value": 0.0})], out),
     }[kind]
 
 
-KINDS = ["input", "clone", "add0", "mul1", "detach_clone", "view", "view_back", "cat"]
+KINDS = ["input", "clone", "add0", "mul1", "detach_clone", "view", "view_back", "unsqueeze_flatten"]
+MOVES = ["cat", "transpose", "slice", "expand", "constant"]
 
 
 def case(kinds: list[str], computed: bool = False, rank_sum: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,14 +118,16 @@ def test_only_passed_through_outputs_is_nothing_to_check(tmp_path: Path, kinds: 
     assert r.exit_code == 2 and json.loads(r.output)["verdict"] == "BAD INPUT"
 
 
-def test_a_constant_output_is_nothing_to_check(tmp_path: Path) -> None:
-    seq, dist = case(["input"])
-    for g in [seq["graph"]] + [r["graph"] for r in dist["ranks"]]:
-        g["nodes"].append(node("z", "full", [], [4, 4], {"shape": [4, 4], "value": 0.0}))
-        g["outputs"].append({"name": "zero", "ref": "z"})
-    with pytest.raises(InputError) as e:
-        _check(tmp_path, seq, dist)
-    assert e.value.reason.startswith("nothing to check")
+@pytest.mark.parametrize("kind", MOVES)
+def test_a_rearranged_output_is_something_to_check(tmp_path: Path, kind: str) -> None:
+    rep = _check(tmp_path, *case([kind]))
+    assert rep.refines and rep.outputs[0].computed and "passed through" not in str(rep)
+    # and the ranks doing it differently do not refine: it was a check
+    seq, dist = case([kind])
+    g = dist["ranks"][1]["graph"]
+    g["nodes"].append(node("neg", "neg", [g["outputs"][0]["ref"]], g["nodes"][-1]["shape"]))
+    g["outputs"][0]["ref"] = "neg"
+    assert not _check(tmp_path / "wrong", seq, dist).refines
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -134,7 +148,7 @@ def test_every_output_computed_says_nothing_more(tmp_path: Path) -> None:
     assert rep.refines and all(o.computed for o in rep.outputs) and "passed through" not in str(rep)
 
 
-@pytest.mark.parametrize("kind", ["input", "clone", "view"])
+@pytest.mark.parametrize("kind", ["input", "clone", "view", "unsqueeze_flatten"])
 def test_a_pass_through_the_ranks_compute_is_a_check_of_the_rank_program(tmp_path: Path, kind: str) -> None:
     """x is a partial sum over the ranks: the sequential output x is each rank's all-reduce."""
     seq, dist = case([kind], rank_sum=True)
@@ -143,8 +157,8 @@ def test_a_pass_through_the_ranks_compute_is_a_check_of_the_rank_program(tmp_pat
     assert rep.refines and rep.outputs[0].computed
 
 
-def test_a_pass_through_the_ranks_only_gather_is_nothing_to_check(tmp_path: Path) -> None:
-    """A gather is a rearrangement: the ranks compute nothing either."""
+def test_a_pass_through_the_ranks_gather_is_something_to_check(tmp_path: Path) -> None:
+    """The ranks assemble the sequential input from their shards: a gather is program."""
     seq, dist = case(["input"])
     dist["relations"][0]["placements"] = ["Shard(0)"]
     for r in dist["ranks"]:
@@ -153,9 +167,14 @@ def test_a_pass_through_the_ranks_only_gather_is_nothing_to_check(tmp_path: Path
         g["nodes"] = [node("g", "all_gather", ["x"], [4, 4], {"dim": 0, "group": [0, 1]})]
         g["outputs"] = [{"name": "o0", "ref": "g"}]
     dist["expectations"] = [{"output": "o0", "placements": ["Replicate"]}]
-    with pytest.raises(InputError) as e:
-        _check(tmp_path, seq, dist)
-    assert e.value.reason.startswith("nothing to check")
+    rep = _check(tmp_path, seq, dist)
+    assert rep.refines and rep.outputs[0].computed
+    for r in dist["ranks"]:  # gathered along the other dim: wrong
+        r["graph"]["nodes"][0]["attrs"]["dim"] = 1
+        r["graph"]["nodes"][0]["shape"] = [2, 8]
+    seq["graph"]["nodes"] = [node("p", "view", ["x"], [2, 8], {"shape": [2, 8]})]
+    seq["graph"]["outputs"] = [{"name": "o0", "ref": "p"}]
+    assert not _check(tmp_path / "wrong", seq, dist).refines
 
 
 def test_a_wrong_pass_through_does_not_refine(tmp_path: Path) -> None:
