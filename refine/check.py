@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from refine.copies import join_copies
-from refine.expr import NARY, Term
+from refine.expr import LEAF_OPS, NARY, Term
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Placement, Relation, case_symbols
+from refine.ir import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -87,11 +87,13 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
 
     explicit = {e.output: e for e in dist.expectations}
     results: list[OutputResult] = []
+    compared: list[list[str]] = []  # per output, the rank outputs its check compares it with
     for out in seq_core.outputs:
         rel = inf.relations[out.ref]
         ex = explicit.get(out.name)
         if ex is not None and ex.layout is not None:
             wanted = [_as_out(t) for t in ex.layout]
+            compared.append(sorted({x for t in wanted for x in t.leaves()}))
             expect = " and ".join(map(str, ex.layout))
             names = {x.rpartition("@")[0] for t in ex.layout for x in t.leaves()}
             local = names.pop() if len(names) == 1 else None  # the rank output it is expected at
@@ -99,11 +101,18 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
         elif ex is not None:
             local, pl = ex.local or out.name, ex.placements or ()
             wanted = [_as_out(t) for t in placed_terms(lambda r, local=local: f"{local}@{r}", pl, dist.mesh)]
+            compared.append(sorted({x for t in wanted for x in t.leaves()}))
             expect = f"{local} on every rank, placed [{', '.join(map(str, pl))}]"
             results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
         else:
+            compared.append([tensor_name(r, out.name) for r in sorted(dist.ranks)
+                             if tensor_name(r, out.name) in prog.outputs])
             results.append(_default(out.name, out.role, rel, prog, engine, registry, dist, seq_core))
+    for r, out, ranks in zip(results, seq_core.outputs, compared, strict=True):
+        r.computed = not (_passes_through(seq_core, out.ref) and _rank_passes_through(prog, ranks))
     refines = all(r.ok for r in results)
+    if refines and not any(r.computed for r in results):
+        raise InputError(seq_file, "$.graph.outputs", _nothing_to_check(seq, seq_core, results))
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
@@ -113,6 +122,57 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
+
+
+# The core op that only reinterprets its input's elements (reshape, flatten, unsqueeze lower
+# to it): its value is its input's, given the shape the loader checked. Copies, detaches,
+# x + 0.0 and x * 1.0 are gone at lowering. Anything else (a transpose, a slice, a broadcast,
+# a concat, a constant, arithmetic) is something a program can get wrong.
+REINTERPRET = frozenset({"view"})
+
+
+def _passes_through(g: Graph, ref: str) -> bool:
+    """Whether the (core) graph's `ref` is an input seen through views only."""
+    index = g.index()
+    n = index.get(ref)
+    while isinstance(n, Node) and n.op in REINTERPRET:
+        n = index.get(n.tensor_args()[0])
+    return n is not None and not isinstance(n, Node)
+
+
+def _rank_passes_through(prog: DistProgram, outputs: list[str]) -> bool:
+    """Whether each of these rank outputs is a rank input seen through views only (or moved
+    to another rank as it is)."""
+    for o in outputs:
+        x = prog.outputs[o]
+        while (d := prog.defs.get(x)) is not None:
+            if d.op in LEAF_OPS:
+                x = d.attrs[0]
+            elif d.op in REINTERPRET and d.args[0].op in LEAF_OPS:
+                x = d.args[0].attrs[0]
+            else:
+                return False
+    return True
+
+
+def _nothing_to_check(seq: Graph, core: Graph, results: list[OutputResult]) -> str:
+    """Why a check whose outputs all pass inputs through proves nothing."""
+    shown = []
+    for r in results[:4]:
+        ref = seq.output(r.name).ref
+        node = seq.index()[ref]
+        if not isinstance(node, Node):
+            shown.append(f"{r.name!r} is input {ref!r}")
+            continue
+        index, x = core.index(), core.output(r.name).ref
+        while isinstance(n := index.get(x), Node):  # views down to the input
+            x = n.tensor_args()[0]
+        shown.append(f"{r.name!r} is {ref!r} ({node.op}) of input {x!r}")
+    more = f", and {len(results) - 4} more" if len(results) > 4 else ""
+    return ("nothing to check: no output depends on a computation. Every sequential output is an input, or a "
+            f"view or copy of one ({'; '.join(shown)}{more}), and so is every rank output it is compared with, "
+            "so a REFINES would only say that the relations place the inputs as the expectations do. "
+            "Were the wrong outputs exported (an import without its relation file, say)?")
 
 
 def _guess(r: Relation) -> str:

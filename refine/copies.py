@@ -103,12 +103,21 @@ def join_copies(seq: Graph, dist: Dist, prog: DistProgram, engine: Engine, regis
             form = _form(x, dim, cls, proven, prog)
             if form is None:
                 continue
-            name = f"{x.rpartition('@')[0]}#copies@{_rank_of(x)}"
+            name = _fresh(prog, x.rpartition("@")[0] + "#copies", _rank_of(x))
             prog.add(name, prog.types[x], form, None)
             prog.same.union(x, name)
             prog.copies.add(name)
             joined += 1
     return joined
+
+
+def _fresh(prog: DistProgram, base: str, rank: int) -> str:
+    """`base@rank`, or `base<k>@rank` when a rank tensor holds that name already: the ranks'
+    own names are any text, and a tensor of theirs must never be taken for the copies."""
+    name, k = f"{base}@{rank}", 1
+    while name in prog.types:
+        name, k = f"{base}{k}@{rank}", k + 1
+    return name
 
 
 def _rank_of(name: str) -> int:
@@ -128,7 +137,7 @@ def _region(prog: DistProgram, sources: list[str], registry: Registry) -> list[s
         for x in layer:
             for u in prog.users.get(x, ()):
                 d = prog.defs.get(u)
-                if u in got or d is None or "#copies@" in u:
+                if u in got or d is None or u in prog.copies:
                     continue
                 op = registry.ops.get(d.op)
                 if op is not None and op.kind == "collective":

@@ -8,6 +8,7 @@ multiplies by an exact rational. Everything else follows the op registry.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
@@ -127,10 +128,27 @@ def _show_attr(a: Any) -> str:
 # ---------------------------------------------------------------------------------------
 # egglog text. Attribute sorts come from the registry's signatures.
 
+# Every string put into egglog text: letters, digits and these, all else %XX (UTF-8 bytes).
+# egglog's lexer reads \" and \\ in a string but prints the string back raw, so an escaped
+# name would not survive extraction; and the engine's own scanners of egglog text (statement
+# cutting, leaf renaming, shape recording) only need a string to hold no quote, paren, space
+# or newline. A name is data: it never becomes egglog syntax, and it comes back exactly.
+_QUOTE_SAFE = "@#/:+=,[]<>"
+
+
+def quote(name: str) -> str:
+    """`name` as an egglog string literal (`unquote` reads it back)."""
+    return '"' + urllib.parse.quote(name, safe=_QUOTE_SAFE, errors="surrogatepass") + '"'
+
+
+def unquote(text: str) -> str:
+    """The string an egglog string literal made by `quote` holds."""
+    return urllib.parse.unquote(text[1:-1], errors="surrogatepass")
+
 
 def to_egglog(t: Term, sorts: dict[str, tuple[str, ...]]) -> str:
     if t.op in LEAF_OPS or t.op == OPAQUE:
-        return f'({t.op} "{t.attrs[0]}")'
+        return f"({t.op} {quote(t.attrs[0])})"
     if t.op in NARY:
         return f"({t.op} (multiset-of {' '.join(to_egglog(a, sorts) for a in t.args)}))"
     parts = [to_egglog(a, sorts) for a in t.args]
@@ -161,7 +179,7 @@ def lit(a: Any, sort: str, py: bool = False) -> str:
     if sort == "bool":
         return "true" if a else "false"
     if sort == "String":
-        return '"' + str(a).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return quote(str(a))
     raise ValueError(f"unknown sort {sort}")
 
 
@@ -174,14 +192,14 @@ def _dim_lit(d: Any, py: bool) -> str:
         return f"(py-from-int {d})"
     from refine import dims
 
-    return f'(py-object "{dims.dumps(d)}")'
+    return f"(py-object {quote(dims.dumps(d))})"
 
 
 def _read_dim(x: Any) -> Any:
     if isinstance(x, list):  # (py-object "base64 pickle"), made by our own engine
         from refine import dims
 
-        return dims.loads(_unquote(x[1]))
+        return dims.loads(unquote(x[1]))
     return int(x)
 
 
@@ -221,7 +239,7 @@ def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:
         raise ValueError(f"expected a tensor term, got {sexp}")
     head, *rest = sexp
     if head in LEAF_OPS or head == OPAQUE:
-        return Term(head, (), (_unquote(rest[0]),))
+        return Term(head, (), (unquote(rest[0]),))
     if head in NARY:
         ms = rest[0]
         items = ms[1:] if isinstance(ms, list) else []
@@ -231,10 +249,6 @@ def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:
     args = tuple(from_egglog(x, sorts) for x in rest[:n_t])
     attrs = tuple(_read_lit(x, s) for x, s in zip(rest[n_t:], attr_sorts, strict=True))
     return Term(head, args, attrs)
-
-
-def _unquote(s: str) -> str:
-    return s[1:-1].replace('\\"', '"').replace("\\\\", "\\")
 
 
 def _read_lit(x: Any, sort: str) -> Any:
@@ -252,7 +266,7 @@ def _read_lit(x: Any, sort: str) -> Any:
     if sort == "bool":
         return x == "true"
     if sort == "String":
-        return _unquote(x)
+        return unquote(x)
     raise ValueError(sort)
 
 
@@ -265,11 +279,26 @@ def _unquote_num(s: str) -> str:
 #   cat(slice(qkv@0, 0, 0, 4), slice(qkv@1, 0, 0, 4), dim=0)
 #   sum(x@0, x@1)    scale(x@0, 1/2)    view(x@0, [4, 2])    transpose(x@0, 0, 1)
 
-_LAYOUT_TOKEN = re.compile(r"\s*([A-Za-z_][\w.]*@\d+|[A-Za-z_]\w*|-?\d+/\d+|-?\d+(?:\.\d+)?|[(),=\[\]])")
+# A name the plain form cannot spell is written quoted, JSON style: "a b"@0, "say \"hi\""@1.
+_LAYOUT_TOKEN = re.compile(r'\s*("(?:[^"\\]|\\.)*"(?:@\d+)?|[A-Za-z_][\w.]*@\d+|[A-Za-z_]\w*|-?\d+/\d+|-?\d+(?:\.\d+)?'
+                           r"|[(),=\[\]])")
 
 
 class LayoutSyntaxError(ValueError):
     pass
+
+
+def _quoted_name(tok: str) -> str:
+    """A quoted name token, `"..."` and its @rank if any, as the name it spells (a backslash
+    escapes a quote or a backslash, nothing else)."""
+    end = tok.rindex('"')
+
+    def escape(m: re.Match[str]) -> str:
+        if m.group(1) not in '"\\':
+            raise LayoutSyntaxError(f"{tok!r}: unknown escape {m.group()!r} in a quoted name (only \\\" and \\\\)")
+        return m.group(1)
+
+    return re.sub(r"\\(.)", escape, tok[1:end], flags=re.S) + tok[end + 1:]
 
 
 def parse_layout(text: str, sequential: bool = False) -> Term:
@@ -328,6 +357,13 @@ def parse_layout(text: str, sequential: bool = False) -> Term:
 
     def expr() -> Term:
         tok = take()
+        if tok.startswith('"'):
+            name = _quoted_name(tok)
+            if sequential and not tok.endswith('"'):
+                raise LayoutSyntaxError(f"{tok!r}: a define reads sequential inputs (names without @)")
+            if not sequential and tok.endswith('"'):
+                raise LayoutSyntaxError(f"{tok!r}: a rank tensor is written name@rank (the rank after the quote)")
+            return leaf(name)
         if "@" in tok:
             if sequential:
                 raise LayoutSyntaxError(f"{tok!r}: a define reads sequential inputs (names without @)")

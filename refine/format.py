@@ -10,6 +10,7 @@ bad input; the JSON Schema is documentation and a tool for editors, not what run
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -140,6 +141,10 @@ def read_json(path: str | Path) -> Any:
     if dup is not None:
         where, key = dup
         raise InputError(str(path), where, f"key {key!r} appears twice in one object (JSON keeps only the last)")
+    bad = _not_text(doc, "$") if _SURROGATE_ESCAPE.search(text) else None
+    if bad is not None:
+        raise InputError(str(path), bad, "a string holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape "
+                                         "that is not half of a pair): not Unicode text")
     return doc
 
 
@@ -164,6 +169,26 @@ def _duplicate_key(v: Any, where: str) -> tuple[str, str] | None:
         if found:
             return found
     return None
+
+
+def _not_text(v: Any, where: str) -> str | None:
+    """Where a string (or key) of the document is not Unicode text: JSON's \\u escapes can
+    spell half a surrogate pair, which no text output can print."""
+    if isinstance(v, str):
+        return None if v.isascii() or not _SURROGATE.search(v) else where
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        at = f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]"
+        if isinstance(k, str) and _SURROGATE.search(k):
+            return at
+        found = _not_text(x, at)
+        if found:
+            return found
+    return None
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how one gets into a document read as UTF-8
 
 
 def _header(c: _Ctx, doc: Any, kind: str) -> None:

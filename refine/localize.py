@@ -98,9 +98,14 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             reason = (f"{lead}, and the rank programs scale by a wrong "
                       f"constant at {rank_source}: {edit}. The sequential value of output {first.name!r} is "
                       f"{first.relation} over rank tensors, but the rank outputs do not hold it: {first.detail}")
-        if node is None:  # the output is an input of the sequential graph
-            return Culprit(target, "input", wrong[1] if wrong else None, None, [], [], first.relation, reason,
-                           first.name, rank_node, rank_source)
+        if not isinstance(node, Node):
+            # the output is a sequential input, or lowers to one (x + 0.0, a copy): no core
+            # node computes it, so name the user's node the output refers to, else the input
+            own = seq.index().get(seq.output(first.name).ref)
+            op, source = (own.op, own.source) if isinstance(own, Node) else ("input", None)
+            return Culprit(own.name if own is not None else target, op, wrong[1] if wrong else source, None,
+                           [(target, str(inf.relations.get(target, "")))], _makers(prog, first), first.relation,
+                           reason, first.name, rank_node, rank_source, source if wrong else None)
     user = node.origin or node.name
     user_node = next((n for n in seq.nodes if n.name == user), None)
     inputs = [(a, str(inf.relations[a])) for a in node.tensor_args()]
@@ -117,16 +122,23 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     if not unclean:
         # every relation is clean, so the rank program computes a wrong value in the open: show
         # the rank nodes that produce the failing output (a collective with the wrong reduce op, say)
-        for key, tensor in sorted(prog.outputs.items()):
-            n = prog.nodes.get(tensor)
-            if key.rpartition("@")[0] == first.name and n is not None:
-                rank_nodes.append(f"{tensor}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
-                                  + (f" at {n.source}" if n.source else "") + f", computes {key}")
+        rank_nodes += _makers(prog, first)
     # a wrong constant is the rank line's bug: name that line, and keep the sequential node's own
     wrong_line = wrong[1] if wrong is not None else None
     return Culprit(user, user_node.op if user_node else node.op, wrong_line or node.source, node.name, inputs,
                    sorted(set(rank_nodes)), str(inf.relations.get(node.name, "")), reason, first.name,
                    rank_node, rank_source, node.source if wrong_line else None)
+
+
+def _makers(prog: DistProgram, out: OutputResult) -> list[str]:
+    """The rank nodes that produce the rank outputs named like the failing output."""
+    made = []
+    for key, tensor in sorted(prog.outputs.items()):
+        n = prog.nodes.get(tensor)
+        if key.rpartition("@")[0] == out.name and n is not None:
+            made.append(f"{tensor}: {n.op}({', '.join(n.tensor_args())}) [{n.origin or n.name}]"
+                        + (f" at {n.source}" if n.source else "") + f", computes {key}")
+    return made
 
 
 def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,

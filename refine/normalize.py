@@ -158,6 +158,9 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
             continue
         if not op.core and op.kind != "collective":
             raise UnsupportedOp(f"op {n.op!r} (node {n.name!r}) is not a core op and has no decomposition")
-        rename[n.name] = b.emit(n.op, args, attrs, n.type, name=n.name)
+        # the node keeps its name, unless lowering made that name up for an earlier node's
+        # parts (a node "e.exp_t" after "e" = exp(...)): then it gets a fresh one, or its
+        # users and the earlier node's would read one tensor
+        rename[n.name] = b.emit(n.op, args, attrs, n.type, name=None if n.name in core.index() else n.name)
     core.outputs = [type(o)(o.name, rename[o.ref], o.role, o.of) for o in graph.outputs]
     return core, rename

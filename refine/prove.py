@@ -20,7 +20,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from refine.egg import bindings
-from refine.expr import LEAF_OPS, NARY, OPAQUE, Term, from_egglog, lit, opaque, parse_sexp
+from refine.expr import (
+    LEAF_OPS,
+    NARY,
+    OPAQUE,
+    Term,
+    from_egglog,
+    lit,
+    opaque,
+    parse_sexp,
+    quote,
+    unquote,
+)
 from refine.ir import Graph, Node
 from refine.opset import (
     ATTR_SORTS,
@@ -254,7 +265,7 @@ class Engine:
         for out_name, tensor in prog.outputs.items():
             if prog.same.find(tensor) in em.shaped:
                 em.outputs = True
-                em.lines.append(f'(union (D "{prog.same.find(tensor)}") (Out "{out_name}"))')
+                em.lines.append(f"(union (D {quote(prog.same.find(tensor))}) (Out {quote(out_name)}))")
         root = em.term(seq, typed=True)
         checks = list(checks)
         if both:
@@ -304,8 +315,8 @@ class Engine:
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
-            found = re.findall(r'\(Found "([^"]*)"\)', str(out[0]))
-            same = tuple(re.findall(r'\(Same "([^"]*)" "([^"]*)"\)', str(out[1])))
+            found = [unquote(f) for f in re.findall(r'\(Found ("[^"]*")\)', str(out[0]))]
+            same = tuple((unquote(a), unquote(b)) for a, b in re.findall(r'\(Same ("[^"]*") ("[^"]*")\)', str(out[1])))
             if self.audit_shapes:
                 self._audit(program, eg)
             results = []
@@ -613,7 +624,7 @@ class _Solved:
     same: tuple[tuple[str, str], ...] = ()
 
 
-_LEAF = re.compile(r'\((D|Out|Opq) "((?:[^"\\]|\\.)*)"\)')
+_LEAF = re.compile(r'\((D|Out|Opq) ("[^"]*")\)')  # strings made by `quote` hold no quote
 _PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
 
 
@@ -622,10 +633,10 @@ def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
     names: dict[tuple[str, str], str] = {}
 
     def sub(m: re.Match[str]) -> str:
-        key = (m.group(1), m.group(2))
+        key = (m.group(1), unquote(m.group(2)))
         if key not in names:
             names[key] = f"{_PREFIX[key[0]]}{len(names)}"
-        return f'({key[0]} "{names[key]}")'
+        return f"({key[0]} {quote(names[key])})"
 
     return _LEAF.sub(sub, text), names
 
@@ -686,8 +697,8 @@ class _Emitter:
         if name not in self.shaped:
             self.shaped.add(name)
             shape = self.prog.types[name].shape
-            self.lines.append(f'(set (shape (D "{name}")) {lit(shape, "IV", self.py)})')
-        return f'(D "{name}")'
+            self.lines.append(f'(set (shape (D {quote(name)})) {lit(shape, "IV", self.py)})')
+        return f"(D {quote(name)})"
 
     def define(self, name: str) -> None:
         d = self.prog.defs.get(name)
@@ -717,15 +728,15 @@ class _Emitter:
     def term(self, t: Term, typed: bool, inline: bool = False) -> str:
         if t.op in LEAF_OPS:
             if t.op == "Out":
-                return f'(Out "{t.attrs[0]}")'
+                return f"(Out {quote(t.attrs[0])})"
             return self.leaf(t.attrs[0])
         if t.op == OPAQUE:
             name = t.attrs[0]
             if name not in self.opaque:
                 self.opaque.add(name)
                 shape = self.prog.opaque[name].shape
-                self.lines.append(f'(set (shape ({OPAQUE} "{name}")) {lit(shape, "IV", self.py)})')
-            return f'({OPAQUE} "{name}")'
+                self.lines.append(f'(set (shape ({OPAQUE} {quote(name)})) {lit(shape, "IV", self.py)})')
+            return f"({OPAQUE} {quote(name)})"
         if t in self.names:
             return self.names[t]
         args = [self.term(a, typed, inline) for a in t.args]

@@ -23,6 +23,9 @@ class OutputResult:
     ok: bool
     detail: str = ""
     local: str | None = None  # the rank output it is expected at, when the expectation names one
+    # whether the check compares a computation: the sequential output, or the rank outputs it
+    # is compared with, depends on one; else both pass inputs through (a view, a copy)
+    computed: bool = True
 
 
 @dataclass
@@ -78,6 +81,11 @@ def print_report(r: Report, console: Console | None = None) -> None:
                       escape(o.expectation + (f"\n{o.detail}" if o.detail else "")),
                       "[green]yes[/]" if o.ok else "[red]no[/]")
     console.print(table)
+    passed = [o.name for o in r.outputs if not o.computed]
+    if passed:
+        console.print(f"[yellow]passed through[/] {escape(', '.join(passed))}: an input, or a view or copy of one, on "
+                      f"both sides (a check of how the inputs are placed only); {len(r.outputs) - len(passed)} of "
+                      f"{len(r.outputs)} outputs check a computation")
     for g in r.guesses:
         console.print(f"[yellow]guessed relation[/] {escape(g)}")
     if r.symbols:

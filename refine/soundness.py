@@ -42,7 +42,7 @@ import torch
 from egglog import bindings
 
 from refine.evaluate import close, eval_term, helper_sorts, max_err
-from refine.expr import Term, lit, parse_sexp
+from refine.expr import Term, lit, parse_sexp, quote
 from refine.ir import TensorType
 from refine.opset import Registry, Rule, ShapeError, compile_text, load_registry
 
@@ -739,7 +739,7 @@ class Harness:
             if t in text:
                 return text[t]
             if t.op == "D":
-                s = f'(D "{t.attrs[0]}")'
+                s = f"(D {quote(t.attrs[0])})"
                 if t.attrs[0] in self.gen.defined:
                     lines.append(f"(union {s} {go(self.gen.defined[t.attrs[0]])})")
             else:
