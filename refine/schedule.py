@@ -1,0 +1,214 @@
+"""Program order: can the ranks run their collectives and sends/receives to the end?
+
+Matching (refine.relate, refine.format) pairs the k-th collective of a group on each member,
+and the j-th send from rank a to rank b with the j-th recv on b from a: pure data. This module
+checks the other half of a distributed program's meaning: that the order in which each rank
+issues those ops admits a run in which every rank finishes. A recv placed before the send
+that feeds its peer, or all-reduces over overlapping groups issued in an order that cycles
+across ranks, deadlock; such a program computes nothing, so it does not refine.
+
+The model (conservative: whatever it says finishes, finishes under any weaker semantics):
+
+- A rank's program order is its graph's node order (refine.format documents it): a rank
+  runs its nodes one after another. Compute nodes never wait; their inputs come earlier in
+  the order, so they are ready when the rank reaches them.
+- Every communication op is a rendezvous that blocks its rank until each member has reached
+  the matching op: a collective (all_reduce, all_gather, reduce_scatter, all_to_all,
+  broadcast: the broadcast's source too) completes when every member of the group has
+  reached its matching op; a send completes together with its matching recv, when both ranks
+  have reached them. Sends are NOT buffered: NCCL (and MPI for large messages) can hold a send
+  until its receive is posted, and NCCL documents that operations on different communicators
+  issued in inconsistent orders can deadlock. A program that finishes with rendezvous sends
+  finishes with buffered ones too (buffering only removes waits), so a run found here exists
+  under either semantics.
+- `dist.isend`/`dist.irecv` trace as the same ops as `dist.send`/`dist.recv` and their
+  `wait()` is not in the graph: they are read as blocking at the point they are issued (the
+  earliest the wait can be, so again conservative). A batch (`batch_isend_irecv`, NCCL's
+  group calls) is a set of sends/recvs posted together: consecutive sends/recvs of a rank
+  with the same `batch` attribute are posted when the rank reaches the first, and the rank
+  continues when all of them have completed. A send in a batch must not carry a value that
+  depends on a recv of the same batch (it is posted before that recv completes).
+
+Why one greedy simulation decides it: an event (one matched op, seen from all its members)
+fires when every member has reached it. Matching is fixed in advance (the k-th op of a group,
+the j-th of a pair), so whether an event can fire depends only on how far each member got,
+and two events that can fire at once share no rank (a rank waits at one step at a time). So
+firing one never disables another: every maximal run fires the same events, and the
+simulation below, which fires whatever can fire until nothing can, finishes exactly when
+some (every) run finishes. Each op is posted once and fired once: linear in program size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from refine.ir import Graph, Node
+from refine.opset import Registry
+from refine.report import Stuck
+
+Key = tuple[Any, ...]  # (group, k) for a collective, (("p2p", src, dst), j) for a send/recv
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One communication op of one rank, and which event it belongs to."""
+
+    rank: int
+    index: int  # its position in the rank's node list
+    node: Node
+    key: Key
+    members: tuple[int, ...]  # the ranks that take part in the event
+
+    def describe(self) -> str:
+        n, (what, k) = self.node, self.key
+        if n.op == "send":
+            return f"send {n.name!r} (send #{k} to rank {n.attrs['peer']})"
+        if n.op == "recv":
+            return f"recv {n.name!r} (recv #{k} from rank {n.attrs['peer']})"
+        return f"{n.op} {n.name!r} (#{k} of group {list(what)})"
+
+
+class ScheduleError(ValueError):
+    """A batch that cannot be posted as written (a send carrying a value its own batch receives)."""
+
+
+@dataclass
+class Schedule:
+    order: list[list[Comm]] = field(default_factory=list)  # events in an order they can fire, each its members' ops
+    stuck: list[Stuck] = field(default_factory=list)  # empty: every rank runs to its end
+
+    def __str__(self) -> str:
+        return deadlock_text(self.stuck)
+
+
+def comm_ops(graphs: Mapping[int, Graph], registry: Registry) -> dict[int, list[Comm]]:
+    """Each rank's communication ops in program order, keyed the way refine.relate matches them."""
+    out: dict[int, list[Comm]] = {}
+    for r, g in sorted(graphs.items()):
+        seen: dict[Any, int] = {}
+        ops: list[Comm] = []
+        for i, n in enumerate(g.nodes):
+            if registry.ops[n.op].kind != "collective":
+                continue
+            if n.op in ("send", "recv"):
+                src, dst = (r, n.attrs["peer"]) if n.op == "send" else (n.attrs["peer"], r)
+                what: Any = ("p2p", src, dst)
+                members: tuple[int, ...] = (src, dst)
+            else:
+                what = members = tuple(n.attrs.get("group") or ())
+            k = seen.get(what, 0)
+            seen[what] = k + 1
+            ops.append(Comm(r, i, n, (what, k), members))
+        out[r] = ops
+    return out
+
+
+def _steps(g: Graph, ops: list[Comm]) -> list[list[Comm]]:
+    """A rank's ops grouped into what it posts at once: one op, or a batch of sends/recvs."""
+    steps: list[list[Comm]] = []
+    for c in ops:
+        b = c.node.attrs.get("batch") if c.node.op in ("send", "recv") else None
+        prev = steps[-1][-1].node if steps else None
+        if b is not None and prev is not None and prev.op in ("send", "recv") and prev.attrs.get("batch") == b:
+            steps[-1].append(c)
+        else:
+            steps.append([c])
+    for step in steps:
+        if len(step) > 1:
+            _check_batch(g, step)
+    return steps
+
+
+def _check_batch(g: Graph, step: list[Comm]) -> None:
+    """No send of a batch may carry a value computed from a recv of the same batch."""
+    tainted = {c.node.name for c in step if c.node.op == "recv"}
+    if not tainted:
+        return
+    for n in g.nodes[step[0].index:step[-1].index + 1]:
+        if n.op == "send":
+            bad = next((a for a in n.tensor_args() if a in tainted), None)
+            if bad is not None and any(c.node is n for c in step):
+                raise ScheduleError(f"rank {step[0].rank}: send {n.name!r} of batch {n.attrs['batch']} sends a value "
+                                    f"computed from a recv of the same batch ({bad!r} depends on it): a batch is "
+                                    "posted at once, before its receives complete")
+        elif n.op != "recv" and any(a in tainted for a in n.tensor_args()):
+            tainted.add(n.name)
+
+
+def simulate(graphs: Mapping[int, Graph], registry: Registry) -> Schedule:
+    """Run every rank as far as the rendezvous model lets it (see the module doc)."""
+    ops = comm_ops(graphs, registry)
+    steps = {r: _steps(graphs[r], ops[r]) for r in ops}
+    posted: dict[Key, list[Comm]] = {}  # the members that reached each event so far
+    pending = {r: 0 for r in steps}  # events of the rank's current step not fired yet
+    pos = {r: 0 for r in steps}
+    ready: deque[Key] = deque()
+    sched = Schedule()
+
+    def post(r: int) -> None:
+        if pos[r] < len(steps[r]):
+            step = steps[r][pos[r]]
+            pending[r] = len(step)
+            for c in step:
+                got = posted.setdefault(c.key, [])
+                if r in c.members:  # a rank outside the group never completes it
+                    got.append(c)
+                if len(got) == len(c.members) and {x.rank for x in got} == set(c.members):
+                    ready.append(c.key)
+
+    for r in steps:
+        post(r)
+    while ready:
+        event = posted.pop(ready.popleft())
+        sched.order.append(event)
+        for c in event:
+            pending[c.rank] -= 1
+            if pending[c.rank] == 0:
+                pos[c.rank] += 1
+                post(c.rank)
+    sched.stuck = _stuck(graphs, steps, pos, posted)
+    return sched
+
+
+def _stuck(graphs: Mapping[int, Graph], steps: dict[int, list[list[Comm]]], pos: dict[int, int],
+           posted: dict[Key, list[Comm]]) -> list[Stuck]:
+    """Where each rank that cannot finish waits, and for whom."""
+    waiting_at = {r: steps[r][p] for r, p in pos.items() if p < len(steps[r])}
+    out = []
+    for r, step in sorted(waiting_at.items()):
+        for c in step:
+            if c.key not in posted:
+                continue  # fired: the rest of its batch holds the rank
+            arrived = {x.rank for x in posted[c.key]}
+            peers = [q for q in c.members if q not in arrived]
+            why = []
+            for q in peers:
+                if q not in graphs:
+                    why.append(f"rank {q} does not exist")
+                elif q in waiting_at:
+                    other = waiting_at[q]
+                    at = next((x for x in other if x.key in posted), other[0])
+                    src = f" at {at.node.source}" if at.node.source else ""
+                    why.append(f"rank {q} waits at {at.describe()}{src}")
+                else:
+                    why.append(f"rank {q} ends without reaching its match")
+            if r not in c.members:
+                why.append(f"rank {r} is not a member of the group")
+            out.append(Stuck(r, c.node.name, c.node.op, c.node.source, c.describe(), peers, "; ".join(why)))
+    return out
+
+
+def deadlock(graphs: Mapping[int, Graph], registry: Registry) -> list[Stuck]:
+    """Where the ranks get stuck (empty when every rank runs to its end)."""
+    return simulate(graphs, registry).stuck
+
+
+def deadlock_text(stuck: list[Stuck]) -> str:
+    lines = ["the ranks deadlock (communication ops block until every partner reaches the matching op):"]
+    for s in stuck:
+        src = f" at {s.source}" if s.source else ""
+        lines.append(f"  rank {s.rank} waits at {s.waits_at}{src}: {s.because}")
+    return "\n".join(lines)
