@@ -20,9 +20,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import capture_helpers as helpers
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from refine import capture
 from refine.check import check, check_files
 from refine.evaluate import EvalError, eval_ranks, random_inputs
 from refine.format import InputError, load_dist, load_seq
@@ -284,3 +288,109 @@ def test_eval_ranks_runs_a_runnable_order(name: str, tmp_path: Path) -> None:
         for o in g.outputs:
             assert torch.isfinite(vals[r][o.ref]).all()
     assert check(seq, dist, REG).refines
+
+
+# ---------------------------------------------------------------------------------------
+# captured from PyTorch: a ring of sends, and a pipeline stage waiting too early
+
+B, WORLD = 2, 3
+
+
+def _ring_seq(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return (x * torch.cat([x[-B:], x[:-B]])).sum()  # each block times the block before it
+
+
+def _ring_rank(m: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
+    r, w = dist.get_rank(), dist.get_world_size()
+    buf = torch.empty_like(x)
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    if how == "batch":
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, buf, prv)]):
+            work.wait()
+    elif how == "isend":  # not batched: the waits are not in the trace, read as blocking at once
+        works = [dist.isend(x, dst=nxt), dist.irecv(buf, src=prv)]
+        for work in works:
+            work.wait()
+    elif how == "send first" or (how == "rank 0 sends first" and r == 0):
+        dist.send(x, dst=nxt)
+        dist.recv(buf, src=prv)
+    else:
+        dist.recv(buf, src=prv)
+        dist.send(x, dst=nxt)
+    loss = (x * buf).sum()
+    dist.all_reduce(loss)
+    return loss
+
+
+def ring_spec(how: str) -> capture.Spec:
+    x = torch.randn(B * WORLD, 4, generator=torch.Generator().manual_seed(0))
+    return capture.Spec(sequential=capture.Step(nn.Identity(), _ring_seq, {"x": x}),
+                        rank=lambda r: capture.Step(nn.Identity(), lambda m, x: _ring_rank(m, x, how),
+                                                    {"x": x[r * B:(r + 1) * B]}),
+                        world_size=WORLD, name=f"ring_{how.replace(' ', '_')}")
+
+
+@pytest.mark.parametrize("how, deadlocks", [("receive first", True), ("send first", True), ("isend", True),
+                                            ("rank 0 sends first", False), ("batch", False)])
+def test_a_captured_ring(how: str, deadlocks: bool) -> None:
+    case = capture(ring_spec(how))
+    report = case.check()
+    assert report.refines is not deadlocks, report
+    assert bool(report.deadlock) is deadlocks
+    if deadlocks:
+        assert {s.rank for s in report.deadlock} == set(range(WORLD))
+        assert all(s.source is not None and s.source.startswith("test_sound_order.py:") for s in report.deadlock)
+        with pytest.raises(EvalError, match="deadlock"):
+            helpers.wrong_numerically(case)
+    else:
+        assert helpers.wrong_numerically(case) == set()
+    batches = {n["attrs"].get("batch") for g in case.dist_doc["ranks"] for n in g["graph"]["nodes"]
+               if n["op"] in ("send", "recv")}
+    assert batches == ({0} if how == "batch" else {None})
+
+
+PP = helpers.load_model("pp_tied")
+
+
+def _early_grad_recv(stage: nn.Module, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+    """pp_tied's pipeline step, but a stage before the last posts the recv of its output's
+    gradient before it sends the output: the next stage waits for that output forever."""
+    rank = dist.get_rank()
+    if stage.first:
+        x = ids
+    else:
+        x = torch.empty(PP.B, PP.T, PP.H)
+        dist.recv(x, src=rank - 1)
+        x.requires_grad_()
+    out = stage(x)
+    loss = None
+    if stage.last:
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, PP.V), labels.reshape(-1))
+        loss.backward()
+    else:
+        grad = torch.empty_like(out)
+        dist.recv(grad, src=rank + 1)  # too early
+        dist.send(out.detach(), dst=rank + 1)
+        out.backward(grad)
+    if not stage.first:
+        dist.send(x.grad, dst=rank - 1)
+    group = dist.new_group([0, dist.get_world_size() - 1])
+    if stage.first or stage.last:
+        dist.all_reduce(stage.embed.weight.grad, group=group)
+    return loss.detach() if loss is not None else None
+
+
+def test_a_pipeline_stage_waiting_for_its_gradient_first_deadlocks() -> None:
+    spec = PP.make_case(world_size=3)
+    rank = spec.rank
+    spec.rank = lambda r: capture.Step(rank(r).model, _early_grad_recv, rank(r).inputs)
+    report = capture(spec).check()
+    assert not report.refines and report.deadlock, report
+    line = helpers.line_of(Path(__file__), "dist.recv(grad, src=rank + 1)  # too early")
+    got = {s.rank: (s.op, s.source) for s in report.deadlock}
+    recv_act = helpers.line_of(Path(__file__), "dist.recv(x, src=rank - 1)")
+    # stage 0 waits for its gradient before sending its output; 1 and 2 wait for their inputs
+    assert got == {0: ("recv", line), 1: ("recv", recv_act), 2: ("recv", recv_act)}, report.deadlock
+    (s0,) = [s for s in report.deadlock if s.rank == 0]
+    assert s0.waits_for == [1] and f"rank 1 waits at recv 'recv_' (recv #0 from rank 0) at {recv_act}" in s0.because
