@@ -54,7 +54,7 @@ class Stuck:
     source: str | None  # that node's source line
     waits_at: str  # the op, its peer or group and its number there
     waits_for: list[int]  # the ranks that never reach the matching op
-    because: str  # where each of those ranks is instead
+    because: str  # those ranks and where each waits instead
 
 
 @dataclass
@@ -106,7 +106,7 @@ def print_report(r: Report, console: Console | None = None) -> None:
             lines.append("the ranks deadlock: each waits at a communication op that a partner never reaches "
                          "(collectives, sends and receives block until every partner reaches the matching op)")
             lines += [f"rank {s.rank} waits at {s.waits_at}" + (f" at {s.source}" if s.source else "")
-                      + f": {s.because}" for s in r.deadlock]
+                      + f" for {s.because}" for s in r.deadlock]
         if c is not None:
             where = f" at {c.seq_source or c.source}" if c.seq_source or c.source else ""
             lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",

@@ -187,16 +187,16 @@ def _stuck(graphs: Mapping[int, Graph], steps: dict[int, list[list[Comm]]], pos:
             why = []
             for q in peers:
                 if q not in graphs:
-                    why.append(f"rank {q} does not exist")
+                    why.append(f"rank {q}, which does not exist")
                 elif q in waiting_at:
                     other = waiting_at[q]
                     at = next((x for x in other if x.key in posted), other[0])
                     src = f" at {at.node.source}" if at.node.source else ""
-                    why.append(f"rank {q} waits at {at.describe()}{src}")
+                    why.append(f"rank {q}, which waits at {at.describe()}{src}")
                 else:
-                    why.append(f"rank {q} ends without reaching its match")
+                    why.append(f"rank {q}, which ends without reaching the matching op")
             if r not in c.members:
-                why.append(f"rank {r} is not a member of the group")
+                why.append(f"nobody: rank {r} is not a member of the group")
             out.append(Stuck(r, c.node.name, c.node.op, c.node.source, c.describe(), peers, "; ".join(why)))
     return out
 
@@ -210,5 +210,5 @@ def deadlock_text(stuck: list[Stuck]) -> str:
     lines = ["the ranks deadlock (communication ops block until every partner reaches the matching op):"]
     for s in stuck:
         src = f" at {s.source}" if s.source else ""
-        lines.append(f"  rank {s.rank} waits at {s.waits_at}{src}: {s.because}")
+        lines.append(f"  rank {s.rank} waits at {s.waits_at}{src} for {s.because}")
     return "\n".join(lines)
