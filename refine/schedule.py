@@ -26,16 +26,20 @@ The model (conservative: whatever it says finishes, finishes under any weaker se
   earliest the wait can be, so again conservative). A batch (`batch_isend_irecv`, NCCL's
   group calls) is a set of sends/recvs posted together: consecutive sends/recvs of a rank
   with the same `batch` attribute are posted when the rank reaches the first, and the rank
-  continues when all of them have completed. A send in a batch must not carry a value that
+  continues when all of them have completed (waited at once, however late the program
+  waits). A send in a batch must not carry a value that
   depends on a recv of the same batch (it is posted before that recv completes).
 
 Why one greedy simulation decides it: an event (one matched op, seen from all its members)
-fires when every member has reached it. Matching is fixed in advance (the k-th op of a group,
-the j-th of a pair), so whether an event can fire depends only on how far each member got,
-and two events that can fire at once share no rank (a rank waits at one step at a time). So
-firing one never disables another: every maximal run fires the same events, and the
-simulation below, which fires whatever can fire until nothing can, finishes exactly when
-some (every) run finishes. Each op is posted once and fired once: linear in program size.
+can fire once every member has posted it. Matching is fixed in advance (the k-th op of a
+group, the j-th of a pair), not chosen at run time, so whether an event can fire depends
+only on which steps the members have reached; and a rank leaves a step only after all its
+events fired, so an event that can fire stays so until it does: firing one event never
+disables another. Every run therefore fires a subset of the events the greedy simulation
+fires (by induction along the run, each event it fires is enabled by earlier ones the
+simulation fires too), and the simulation, which fires whatever can fire until nothing can,
+is itself a run: some run finishes exactly when the simulation does, and the ranks it leaves
+waiting are stuck in every run. Each op is posted once and fired once: linear in program size.
 """
 
 from __future__ import annotations
