@@ -157,9 +157,10 @@ def simulate(graphs: Mapping[int, Graph], registry: Registry) -> Schedule:
             step = steps[r][pos[r]]
             pending[r] = len(step)
             for c in step:
+                if r not in c.members:
+                    continue  # a rank outside the group never completes it
                 got = posted.setdefault(c.key, [])
-                if r in c.members:  # a rank outside the group never completes it
-                    got.append(c)
+                got.append(c)
                 if len(got) == len(c.members) and {x.rank for x in got} == set(c.members):
                     ready.append(c.key)
 
@@ -173,34 +174,33 @@ def simulate(graphs: Mapping[int, Graph], registry: Registry) -> Schedule:
             if pending[c.rank] == 0:
                 pos[c.rank] += 1
                 post(c.rank)
-    sched.stuck = _stuck(graphs, steps, pos, posted)
+    fired = {(c.rank, c.index) for event in sched.order for c in event}
+    sched.stuck = _stuck(graphs, steps, pos, posted, fired)
     return sched
 
 
 def _stuck(graphs: Mapping[int, Graph], steps: dict[int, list[list[Comm]]], pos: dict[int, int],
-           posted: dict[Key, list[Comm]]) -> list[Stuck]:
+           posted: dict[Key, list[Comm]], fired: set[tuple[int, int]]) -> list[Stuck]:
     """Where each rank that cannot finish waits, and for whom."""
-    waiting_at = {r: steps[r][p] for r, p in pos.items() if p < len(steps[r])}
+    waiting = {r: [c for c in steps[r][p] if (r, c.index) not in fired]
+               for r, p in pos.items() if p < len(steps[r])}
     out = []
-    for r, step in sorted(waiting_at.items()):
-        for c in step:
-            if c.key not in posted:
-                continue  # fired: the rest of its batch holds the rank
-            arrived = {x.rank for x in posted[c.key]}
+    for r, ops in sorted(waiting.items()):
+        for c in ops:
+            arrived = {x.rank for x in posted.get(c.key, [])}
             peers = [q for q in c.members if q not in arrived]
             why = []
             for q in peers:
                 if q not in graphs:
                     why.append(f"rank {q}, which does not exist")
-                elif q in waiting_at:
-                    other = waiting_at[q]
-                    at = next((x for x in other if x.key in posted), other[0])
+                elif q in waiting:
+                    at = waiting[q][0]
                     src = f" at {at.node.source}" if at.node.source else ""
                     why.append(f"rank {q}, which waits at {at.describe()}{src}")
                 else:
                     why.append(f"rank {q}, which ends without reaching the matching op")
             if r not in c.members:
-                why.append(f"nobody: rank {r} is not a member of the group")
+                why.append(f"nobody: rank {r} is not a member of group {list(c.members)}")
             out.append(Stuck(r, c.node.name, c.node.op, c.node.source, c.describe(), peers, "; ".join(why)))
     return out
 

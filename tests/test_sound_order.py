@@ -30,8 +30,10 @@ from refine import capture
 from refine.check import check, check_files
 from refine.evaluate import EvalError, eval_ranks, random_inputs
 from refine.format import InputError, load_dist, load_seq
+from refine.ir import Graph, Input, Node, Output, TensorType
 from refine.opset import load_registry
 from refine.report import Report
+from refine.schedule import simulate
 
 REG = load_registry()
 SRC = "order.py"
@@ -394,3 +396,28 @@ def test_a_pipeline_stage_waiting_for_its_gradient_first_deadlocks() -> None:
     assert got == {0: ("recv", line), 1: ("recv", recv_act), 2: ("recv", recv_act)}, report.deadlock
     (s0,) = [s for s in report.deadlock if s.rank == 0]
     assert s0.waits_for == [1] and s0.because == f"rank 1, which waits at recv 'recv_' (recv #0 from rank 0) at {recv_act}"
+
+
+def test_a_long_ping_pong_is_simulated_op_by_op() -> None:
+    """Two ranks bounce a tensor 2000 times (rank 0 sends first): every send meets its recv,
+    in one pass over each rank's ops. Both sending first deadlocks at the first op (sends are
+    rendezvous)."""
+    t = TensorType((4,))
+
+    def ranks(rank1_first: str) -> dict[int, Graph]:  # rank 0 sends first
+        out = {}
+        for r in (0, 1):
+            nodes, x = [], "x"
+            for i in range(2000):
+                s = Node(f"s{i}", "send", [x], {"peer": 1 - r}, t)
+                v = Node(f"v{i}", "recv", [], {"peer": 1 - r, "shape": [4]}, t)
+                nodes += [s, v] if r == 0 or rank1_first == "send" else [v, s]
+                x = f"v{i}"
+            out[r] = Graph([Input("x", t)], nodes, [Output("y", x)])
+        return out
+
+    sched = simulate(ranks("recv"), REG)
+    assert not sched.stuck and len(sched.order) == 4000
+    assert [c.node.name for c in sched.order[0]] == ["s0", "v0"]
+    stuck = simulate(ranks("send"), REG).stuck
+    assert [(s.rank, s.node) for s in stuck] == [(0, "s0"), (1, "s0")]
