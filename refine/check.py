@@ -17,7 +17,8 @@ from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
 from refine.prove import Engine, frontier, infer, structural_ancestry
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
-from refine.report import OutputResult, Report
+from refine.report import OutputResult, Report, Stuck
+from refine.schedule import ScheduleError, deadlock
 
 _ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
 EXPECT_HOPS = 8
@@ -80,6 +81,12 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     except UnsupportedOp as e:
         raise InputError(dist_file, "$.ranks", str(e)) from None
     inputs = seq_input_relations(dist, seq, prog, registry, dist_file)
+    try:
+        stuck = deadlock(dist.ranks, registry)
+    except ScheduleError as e:
+        raise InputError(dist_file, "$.ranks", str(e)) from None
+    if stuck:  # the ranks never finish: nothing to relate
+        return _deadlocked(seq, dist, stuck, t0)
     engine = engine_for(registry, is_symbolic(seq, dist), case_features(dist))
     steps0, replayed0 = engine.stats["steps"], engine.stats["replayed"]
     join_copies(seq, dist, prog, engine, registry)
@@ -173,6 +180,16 @@ def _nothing_to_check(seq: Graph, core: Graph, results: list[OutputResult]) -> s
             f"view or copy of one ({'; '.join(shown)}{more}), and so is every rank output it is compared with, "
             "so a REFINES would only say that the relations place the inputs as the expectations do. "
             "Were the wrong outputs exported (an import without its relation file, say)?")
+
+
+def _deadlocked(seq: Graph, dist: Dist, stuck: list[Stuck], t0: float) -> Report:
+    """DOES NOT REFINE: the ranks' program order deadlocks (refine.schedule), so no output is
+    ever computed."""
+    results = [OutputResult(o.name, o.role, "", False, "computed by the ranks", False,
+                            "never computed: the ranks deadlock") for o in seq.outputs]
+    stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": 0, "replayed": 0, "seq_nodes": len(seq.nodes),
+             "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()), "ranks": len(dist.ranks)}
+    return Report(False, results, None, [], stats, _describe_symbols(seq, dist), deadlock=stuck)
 
 
 def _guess(r: Relation) -> str:

@@ -3,7 +3,8 @@
 Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on CPU, with
 each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
 `refine.relate` matches them: the k-th collective of a group on each member, and sends and
-receives between a pair of ranks in program order.
+receives between a pair of ranks in program order; they run in an order the ranks' program
+order allows (`refine.schedule`), and a program that deadlocks is an `EvalError`.
 
 On top of the interpreter:
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from refine import dims
+from refine import dims, schedule
 from refine.expr import LEAF_OPS, OPAQUE, Term
 from refine.ir import (
     Define,
@@ -224,7 +225,10 @@ def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
 
 def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
                inputs: Mapping[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
-    """Every tensor of every rank, collectives simulated across ranks."""
+    """Every tensor of every rank, collectives simulated across ranks in an order the ranks'
+    program order allows (refine.schedule): a collective or a recv reads its partners'
+    tensors only once each partner has reached the matching op. A program whose order
+    deadlocks is an EvalError naming where each rank waits."""
     env: dict[int, dict[str, Tensor]] = {}
     for r, g in graphs.items():
         env[r] = {}
@@ -232,74 +236,64 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
             if i.name not in inputs.get(r, {}):
                 raise EvalError(f"rank {r}: no value for input {i.name!r}")
             env[r][i.name] = canon(inputs[r][i.name], i.type.dtype)
-    # the key of each collective: (group, k) or ("p2p", src, dst, j)
-    keys: dict[tuple[int, str], tuple] = {}
-    for r, g in graphs.items():
-        seen: dict[Any, int] = {}
-        for n in g.nodes:
-            if registry.ops[n.op].kind != "collective":
-                continue
-            if n.op in ("send", "recv"):
-                pair = (r, n.attrs["peer"]) if n.op == "send" else (n.attrs["peer"], r)
-                k = ("p2p", *pair)
-            else:
-                k = tuple(n.attrs["group"])
-            j = seen.get(k, 0)
-            seen[k] = j + 1
-            keys[(r, n.name)] = (k, j)
-    members: dict[tuple, dict[int, Any]] = {}
-    for (r, name), key in keys.items():
-        members.setdefault(key, {})[r] = graphs[r].index()[name]
+    try:
+        sched = schedule.simulate(graphs, registry)
+    except schedule.ScheduleError as e:
+        raise EvalError(str(e)) from None
+    if sched.stuck:
+        raise EvalError(f"deadlock: {sched}")
     pos = {r: 0 for r in graphs}
-    while any(pos[r] < len(g.nodes) for r, g in graphs.items()):
-        progress = False
-        for r, g in graphs.items():
-            while pos[r] < len(g.nodes):
-                n = g.nodes[pos[r]]
-                if registry.ops[n.op].kind != "collective":
-                    env[r][n.name] = _eval_node(n, env[r], registry)
-                elif not _collective(r, n, keys[(r, n.name)], members, env, graphs, registry):
-                    break
-                pos[r] += 1
-                progress = True
-        if not progress:
-            stuck = {r: graphs[r].nodes[p].name for r, p in pos.items() if p < len(graphs[r].nodes)}
-            raise EvalError(f"deadlock: ranks wait at {stuck}")
+
+    def run_to(r: int, index: int) -> None:
+        """Rank r's compute nodes before node `index` (its communication ops are set when
+        they fire)."""
+        g = graphs[r]
+        while pos[r] < index:
+            n = g.nodes[pos[r]]
+            if registry.ops[n.op].kind != "collective":
+                missing = next((a for a in n.tensor_args() if a not in env[r]), None)
+                if missing is not None:
+                    raise EvalError(f"rank {r}: node {n.name!r} reads {missing!r} before the op making it completes")
+                env[r][n.name] = _eval_node(n, env[r], registry)
+            pos[r] += 1
+
+    for event in sched.order:
+        for c in event:
+            run_to(c.rank, c.index)
+        _fire(event, env, registry)
+    for r, g in graphs.items():
+        run_to(r, len(g.nodes))
     return env
 
 
-def _collective(r: int, n: Any, key: tuple, members: dict[tuple, dict[int, Any]], env: dict[int, dict[str, Tensor]],
-                graphs: Mapping[int, Graph], registry: Registry) -> bool:
-    """Evaluate rank r's collective node n if every partner's input is ready."""
-    (k, _j) = key
-    if n.op == "send":
-        env[r][n.name] = env[r][n.tensor_args()[0]]
-        return True
-    if n.op == "recv":
-        src = n.attrs["peer"]
-        send = members[key].get(src)  # the j-th send from src to r
-        if send is None or send.op != "send":
-            raise EvalError(f"rank {r}: {n.name!r} receives from rank {src}, which sends no matching tensor")
-        x = env[src].get(send.tensor_args()[0])
-        if x is None:
-            return False
-        env[r][n.name] = canon(x.clone(), n.type.dtype)
-        return True
-    group = list(k)
-    mem = members[key]
-    for q in group:
-        if q not in mem:
-            raise EvalError(f"collective {n.name!r} on rank {r}: no partner on rank {q}")
-    xs = []
-    for q in group:
-        x = env[q].get(mem[q].tensor_args()[0])
-        if x is None:
-            return False
-        xs.append(x)
-    attrs = _node_attrs(n, env[r], registry)
-    i = group.index(r)
-    env[r][n.name] = canon(simulate(n.op, xs, i, attrs), n.type.dtype)
-    return True
+def _fire(event: list[schedule.Comm], env: dict[int, dict[str, Tensor]], registry: Registry) -> None:
+    """Every member's output of one matched collective, or of a send and its recv."""
+    def value(c: schedule.Comm) -> Tensor:
+        a = c.node.tensor_args()[0]
+        if a not in env[c.rank]:
+            raise EvalError(f"rank {c.rank}: {c.node.name!r} reads {a!r} before the op making it completes")
+        return env[c.rank][a]
+
+    if event[0].node.op in ("send", "recv"):
+        by_op = {c.node.op: c for c in event}
+        if set(by_op) != {"send", "recv"}:
+            raise EvalError(f"{' and '.join(c.describe() for c in event)} are not a send and its recv")
+        send, recv = by_op["send"], by_op["recv"]
+        x = value(send)
+        env[send.rank][send.node.name] = x
+        env[recv.rank][recv.node.name] = canon(x.clone(), recv.node.type.dtype)
+        return
+    by_rank = {c.rank: c for c in event}
+    group = list(event[0].members)
+    first = by_rank[group[0]].node
+    for c in event:
+        if c.node.op != first.op:
+            raise EvalError(f"rank {c.rank}: {c.describe()} is matched with {first.op} {first.name!r}")
+    xs = [value(by_rank[q]) for q in group]
+    for i, q in enumerate(group):
+        n = by_rank[q].node
+        attrs = _node_attrs(n, env[q], registry)
+        env[q][n.name] = canon(simulate(n.op, xs, i, attrs), n.type.dtype)
 
 
 def _reduce(xs: list[Tensor], op: str) -> Tensor:

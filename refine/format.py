@@ -5,6 +5,14 @@ the CLI turns it into exit code 2. The loader checks everything a later stage re
 (names, references, shapes against the ops' shape rules, collectives matched across ranks,
 relations and expectations against the shapes they place), so that no later stage meets
 bad input; the JSON Schema is documentation and a tool for editors, not what runs here.
+
+A rank graph's node order is its program order for communication: the order in which the
+rank issues its collectives and sends/recvs. The k-th collective of a group on each member is
+one collective, the j-th send from a to b meets the j-th recv on b from a, and refine.schedule
+checks that the ranks can run them in that order without deadlock (else DOES NOT REFINE).
+Other nodes need only follow their inputs. The frontends keep that order: capture emits a
+rank's collectives in the order make_fx traced them (each after the nodes it reads), the
+Entangle importer translates a dump in its FX graph order (the order it was recorded in).
 """
 
 from __future__ import annotations

@@ -47,6 +47,20 @@ class Culprit:
 
 
 @dataclass
+class Stuck:
+    """A rank that can never go on: the communication op it waits at, and for whom
+    (refine.schedule)."""
+
+    rank: int
+    node: str  # the rank node it waits at
+    op: str
+    source: str | None  # that node's source line
+    waits_at: str  # the op, its peer or group and its number there
+    waits_for: list[int]  # the ranks that never reach the matching op
+    because: str  # those ranks and where each waits instead
+
+
+@dataclass
 class Report:
     refines: bool
     outputs: list[OutputResult]
@@ -54,6 +68,7 @@ class Report:
     guesses: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     symbols: list[str] = field(default_factory=list)  # e.g. "T: multiple of 2, >= 1": the verdict holds for all
+    deadlock: list[Stuck] = field(default_factory=list)  # the ranks' program order cannot run to the end
 
     @property
     def exit_code(self) -> int:
@@ -95,6 +110,11 @@ def print_report(r: Report, console: Console | None = None) -> None:
     else:
         c = r.culprit
         lines = ["[bold red]DOES NOT REFINE[/]"]
+        if r.deadlock:
+            lines.append("the ranks deadlock: each waits at a communication op that a partner never reaches "
+                         "(collectives, sends and receives block until every partner reaches the matching op)")
+            lines += [f"rank {s.rank} waits at {s.waits_at}" + (f" at {s.source}" if s.source else "")
+                      + f" for {s.because}" for s in r.deadlock]
         if c is not None:
             where = f" at {c.seq_source or c.source}" if c.seq_source or c.source else ""
             lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",

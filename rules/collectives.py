@@ -117,8 +117,11 @@ OPS = [
        ref=_ref_unavailable, kind="collective", lower=_lower_all_to_all),
     Op("broadcast", 1, _broadcast_shape, (("src", "int"), GROUP), ref=_ref_unavailable,
        kind="collective", lower=lambda xs, i, a, size: xs[list(a["group"]).index(a["src"])]),
-    Op("send", 1, lambda ins, a: ins[0], (("peer", "int"),), ref=_ref_unavailable, kind="collective"),
-    Op("recv", 0, _recv_shape, (("peer", "int"), ("shape", "shape"), ("dtype", "str?")),
+    # `batch`: consecutive sends/recvs of a rank with the same value are posted together
+    # (batch_isend_irecv, an NCCL group) and complete together (refine.schedule)
+    Op("send", 1, lambda ins, a: ins[0], (("peer", "int"), ("batch", "int?")), ref=_ref_unavailable,
+       kind="collective"),
+    Op("recv", 0, _recv_shape, (("peer", "int"), ("shape", "shape"), ("dtype", "str?"), ("batch", "int?")),
        ref=_ref_unavailable, kind="collective"),
 ]
 RULES: list = []

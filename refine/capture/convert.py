@@ -24,7 +24,7 @@ from torch import fx
 
 from refine.capture import aten
 from refine.capture.errors import CaptureError
-from refine.capture.trace import Traced, source_of
+from refine.capture.trace import BATCH, Traced, source_of
 from refine.ir import Arg, TensorType
 from refine.normalize import normalize_attrs
 from refine.opset import Registry
@@ -391,10 +391,11 @@ class Emitter:
         if not 0 <= peer < len(group):
             raise self.fail(f"peer {peer} is not a rank of group {group}")
         val = x.meta["val"]
+        batch = n.meta.get(BATCH)  # posted by one batch_isend_irecv call (refine.schedule)
         if qual == "c10d::send":
-            return self.emit("send", [self.value(x)], {"peer": group[peer]}, val=val)
+            return self.emit("send", [self.value(x)], {"peer": group[peer], "batch": batch}, val=val)
         return self.emit("recv", [], {"peer": group[peer], "shape": [int(s) for s in val.shape],
-                                      "dtype": self.dtype(val.dtype)}, val=val)
+                                      "dtype": self.dtype(val.dtype), "batch": batch}, val=val)
 
     def _constant(self, n: fx.Node) -> str:
         t = getattr(self.gm, n.target)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ Distributed ranks are traced one at a time, each inside a fake process group
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import sysconfig
@@ -27,7 +28,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.fx.experimental.proxy_tensor import PythonKeyTracer, make_fx
+from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
 from refine.capture.aten import DECOMPOSITIONS
@@ -155,6 +156,35 @@ def _recording_sources() -> Iterator[None]:
         yield
 
 
+BATCH = "refine_batch"  # FX node meta: the batch_isend_irecv call a send/recv was posted by
+
+
+@contextmanager
+def _marking_batches() -> Iterator[None]:
+    """The sends and recvs one `dist.batch_isend_irecv` call posts trace as the same ops as
+    blocking ones: mark them with the call's number, so refine.schedule knows they are posted
+    together (a ring of them does not deadlock; the same ops posted one by one can)."""
+    real = dist.batch_isend_irecv
+    calls = itertools.count()
+
+    def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
+        mode = get_proxy_mode()
+        graph = mode.tracer.graph if mode is not None else None
+        before = len(graph.nodes) if graph is not None else 0
+        works = real(p2p_op_list)
+        if graph is not None:
+            k = next(calls)
+            new = list(itertools.islice(reversed(graph.nodes), len(graph.nodes) - before))
+            for n in new:
+                if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.name in ("c10d::send", "c10d::recv_"):
+                    n.meta[BATCH] = k
+        return works
+
+    with mock.patch.object(dist, "batch_isend_irecv", batch_isend_irecv), \
+            mock.patch.object(dist.distributed_c10d, "batch_isend_irecv", batch_isend_irecv):
+        yield
+
+
 def trace_step(step: Step, where: str) -> Traced:
     """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
     from refine.capture.annotate import annotation_of
@@ -202,7 +232,7 @@ def trace_step(step: Step, where: str) -> Traced:
     args = ([local.traced(n, p) for n, p in params.items()], [local.traced(n, b) for n, b in buffers.items()],
             [local.traced(n, x) for n, x in inputs.items()])
     try:
-        with _recording_sources():
+        with _recording_sources(), _marking_batches():
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
                          record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
     except CaptureError:
