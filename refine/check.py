@@ -10,6 +10,7 @@ from pathlib import Path
 
 from refine.copies import join_copies
 from refine.expr import LEAF_OPS, NARY, Term
+from refine.extra_rules import require_verified
 from refine.format import InputError, load_dist, load_seq
 from refine.ir import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.localize import localize
@@ -43,12 +44,20 @@ def is_symbolic(seq: Graph, dist: Dist) -> bool:
     return bool(case_symbols(seq, dist))
 
 
-def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = ()) -> Report:
+def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = (),
+                trust_rules: bool = False) -> Report:
+    """Check the pair of files. The extra rule directories `rules` are verified first
+    (refine.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
+    untested one too unless `trust_rules`, and the report then lists it as unverified."""
     t0 = time.perf_counter()
+    rules = list(rules)
     registry = load_registry(rules)
     seq = load_seq(seq_path, registry)
     dist = load_dist(dist_path, registry, seq)
-    return check(seq, dist, registry, str(seq_path), str(dist_path), t0)
+    unverified = require_verified(registry, [str(d) for d in rules], is_symbolic(seq, dist), trust_rules)
+    report = check(seq, dist, registry, str(seq_path), str(dist_path), t0)
+    report.unverified_rules = unverified
+    return report
 
 
 def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dist_file: str = "dist",

@@ -21,14 +21,21 @@ def main() -> None:
 @click.argument("dist")
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text")
 @click.option("--rules", "rules", multiple=True, type=click.Path(file_okay=False),
-              help="a directory of extra rule files (repeatable)")
-def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...]) -> None:
+              help="a directory of extra rule files (repeatable). Its Python files are imported and run as "
+                   "trusted code, like a plugin. Before use, its new rules and ops are verified by the "
+                   "soundness harness (cached by content in $REFINE_CACHE_DIR, else $XDG_CACHE_HOME/refine "
+                   "or ~/.cache/refine): a wrong one refuses the check (exit 2), and so does one the harness "
+                   "cannot exercise, unless --trust-rules")
+@click.option("--trust-rules", "trust_rules", is_flag=True,
+              help="use extra rules or ops the soundness harness could not exercise; the report lists them "
+                   "as unverified (a rule with a counterexample is refused regardless)")
+def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool) -> None:
     """Check that DIST (per-rank graphs) refines SEQ (the sequential graph)."""
     from refine.check import check_files
     from refine.report import print_report
 
     try:
-        report = check_files(seq, dist, rules)
+        report = check_files(seq, dist, rules, trust_rules)
     except LOAD_ERRORS as e:
         _load_error(e, fmt)
     except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")

@@ -10,6 +10,7 @@ every op of a kind (say, every unary elementwise op distributes over concat).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import sys
 from collections.abc import Callable, Iterable
@@ -114,24 +115,34 @@ class Registry:
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
+    # the file each op, rule and declaration came from ("op NAME", "rule NAME", "decl TEXT"),
+    # so a refusal can name it (refine.extra_rules)
+    origins: dict[str, str] = field(default_factory=dict)
+    # the content digest (`dir_digest`) of each extra rule directory, taken when it was read
+    digests: tuple[str, ...] = ()
 
     def add_family(self, name: str, module: ModuleType) -> None:
+        file = str(getattr(module, "__file__", None) or name)
         self.families.append(name)
         for op in getattr(module, "OPS", []):
             if op.name in self.ops:
                 raise ValueError(f"rule family {name}: op {op.name!r} is already defined")
             self.ops[op.name] = _with_family(op, name)
-        self.decls.extend(getattr(module, "DECLS", []))
+            self.origins.setdefault(f"op {op.name}", file)
+        for d in getattr(module, "DECLS", []):
+            self.decls.append(d)
+            self.origins.setdefault(f"decl {d}", file)
         if callable(getattr(module, "SEEDS", None)):
             self.seeders.append((name, module.SEEDS))
-        self._pending.append((name, getattr(module, "RULES", [])))
+        self._pending.append((name, getattr(module, "RULES", []), file))
 
     def finish(self) -> Registry:
         # templates see every op of every family, so they run after all files are read
-        for name, rules in self._pending:
+        for name, rules, file in self._pending:
             made: Iterable[Rule] = rules(self) if callable(rules) else rules
             for r in made:
                 self.rules.append(replace(r, family=r.family or name))
+                self.origins.setdefault(f"rule {r.name}", file)
         self._pending.clear()
         names = [r.name for r in self.rules]
         dup = {n for n in names if names.count(n) > 1}
@@ -178,20 +189,40 @@ def _load_module(path: Path) -> ModuleType:
 _CACHE: dict[tuple[str, ...], Registry] = {}
 
 
+def dir_digest(d: Path) -> str:
+    """SHA-256 over the relative paths and contents of every file under `d` (byte code
+    caches and hidden entries left out): what an extra rule directory holds."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in d.rglob("*") if p.is_file()):
+        rel = path.relative_to(d)
+        if any(part == "__pycache__" or part.startswith(".") for part in rel.parts):
+            continue
+        data = path.read_bytes()
+        h.update(f"{rel.as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
 def load_registry(extra_dirs: Iterable[Path | str] = ()) -> Registry:
-    """All rule families: the built-in ones, then each extra directory's, in file order."""
+    """All rule families: the built-in ones, then each extra directory's, in file order. An
+    extra directory is read again when its files change (its digest is part of the key)."""
     dirs = [builtin_rules_dir(), *(Path(d) for d in extra_dirs)]
-    key = tuple(str(d.resolve()) for d in dirs)
-    if key in _CACHE:
-        return _CACHE[key]
-    reg = Registry()
     for d in dirs:
         if not d.is_dir():
             raise FileNotFoundError(f"rule directory {d} does not exist")
+    digests = tuple(dir_digest(d) for d in dirs[1:])
+    key = tuple(str(d.resolve()) for d in dirs) + digests
+    if key in _CACHE:
+        return _CACHE[key]
+    reg = Registry(digests=digests)
+    for d in dirs:
         for path in sorted(d.glob("*.py")):
             if path.name.startswith("_"):
                 continue
             reg.add_family(path.stem, _load_module(path))
+    # the digests must describe the code that ran (refine.extra_rules keys verification on them)
+    if tuple(dir_digest(d) for d in dirs[1:]) != digests:
+        raise ValueError(f"a rule directory changed while it was read: {', '.join(map(str, dirs[1:]))}")
     _CACHE[key] = reg.finish()
     return _CACHE[key]
 

@@ -69,6 +69,8 @@ class Report:
     stats: dict[str, Any] = field(default_factory=dict)
     symbols: list[str] = field(default_factory=list)  # e.g. "T: multiple of 2, >= 1": the verdict holds for all
     deadlock: list[Stuck] = field(default_factory=list)  # the ranks' program order cannot run to the end
+    # extra rules or ops used without verification (--trust-rules): the verdict assumes them sound
+    unverified_rules: list[str] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -105,6 +107,9 @@ def print_report(r: Report, console: Console | None = None) -> None:
         console.print(f"[yellow]guessed relation[/] {escape(g)}")
     if r.symbols:
         console.print(f"[cyan]for every value of[/] {escape('; '.join(r.symbols))}")
+    if r.unverified_rules:
+        console.print("[bold yellow]unverified rules used[/] (--trust-rules: the verdict holds only if they are "
+                      "sound): " + escape("; ".join(r.unverified_rules)))
     if r.refines:
         console.print(Panel("[bold green]REFINES[/]: every output relates to the rank outputs as expected"))
     else:
