@@ -335,8 +335,20 @@ def test_a_dtensor_shard_the_values_contradict_is_refused() -> None:
         if r == 1:
             model.fc1.weight.to_local().mul_(-1)  # under no_grad: the DTensor's own local tensor
 
-    refused(corrupted(spec, off), "'fc1.weight'", "[Shard(0)]", "as annotated or derived", "rank 1 holds another "
-            "value than its piece")
+    text = refused(corrupted(spec, off), "'fc1.weight'", "[Shard(0)]", "as annotated or derived",
+                   "rank 1 holds another value than its piece")
+    assert "rank 0" not in text  # built from the same sequential weights, rank 0's shard is its own
+
+
+def test_dtensor_ranks_hold_their_shards_of_the_sequential_weights() -> None:
+    """distribute_tensor scatters rank 0's data, which the fake process group does not do (the
+    shard would be uninitialised memory): capture has each rank split its own full copy, so a
+    correct DTensor program's values meet its derived relations."""
+    pytest.importorskip("torch.distributed.tensor.parallel")
+    case = capture(load_model("dtensor_mlp").make_case())
+    rel = {r["from"]: r["placements"] for r in case.dist_doc["relations"]}
+    assert rel["fc1.weight"] == ["Shard(0)"] and rel["fc2.weight"] == ["Shard(1)"]
+    assert case.unchecked == []
 
 
 # ---------------------------------------------------------------------------------------

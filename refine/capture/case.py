@@ -10,7 +10,10 @@
 Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
 a gradient. Expectations: the loss is Replicate and equal to the sequential loss; each
 gradient is placed like its parameter. Input relations come from annotations
-(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported).
+(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported);
+every relation is then checked against the values both sides hold (refine.capture.values):
+a contradiction is an error, a tensor without values (meta) leaves its relation unchecked,
+listed in `Case.unchecked` and in every report of the case.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from refine.build import write_case
 from refine.capture.annotate import Annotation, check_groups, collecting, placements_on
 from refine.capture.convert import Converted, convert
+from refine.capture.dtensor import local_distribution
 from refine.capture.errors import CaptureError
 from refine.capture.trace import Step, Traced, copy_grad_hooks, fake_process_group, trace_step
 from refine.capture.values import check_values, has_values
@@ -146,7 +150,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         where = f"rank {r}"
         with fake_process_group(r, spec.world_size), collecting() as named:
             try:
-                step = spec.rank(r)
+                with local_distribution():
+                    step = spec.rank(r)
             except CaptureError:
                 raise
             except Exception as e:

@@ -54,9 +54,8 @@ def check_values(seq: Graph, dist: Dist, registry: Registry, seq_vals: dict[str,
         if v is None:
             raise CaptureError(f"sequential input {rel.source!r} has no value to check its relation ({what}) against")
         locals_ = _rank_tensors(rel, rank_vals)
-        missing = [n for n, t in [(f"the sequential {rel.source!r}", v)] + [(f"{n}@{r}", t) for (n, r), t in
-                                                                              sorted(locals_.items())]
-                   if not has_values(t)]
+        named = [(f"the sequential {rel.source!r}", v)] + [(f"{n}@{r}", t) for (n, r), t in sorted(locals_.items())]
+        missing = [n for n, t in named if not has_values(t)]
         if missing:
             unchecked.append(f"{rel.source}: {what}: not checked against values ({', '.join(missing[:3])}"
                              f"{' ...' if len(missing) > 3 else ''} on the meta device or fake: shapes only)")
@@ -69,7 +68,8 @@ def check_values(seq: Graph, dist: Dist, registry: Registry, seq_vals: dict[str,
                                "Capture checks every relation against the tensors the steps hold (a checkpoint "
                                "converter that splits or orders pieces differently, a wrong annotation); make the "
                                "rank tensors hold the sequential ones as the relation says, or annotate the relation "
-                               "they have")
+                               "they have. (Each rank is built in a fake process group that communicates nothing: a "
+                               "tensor a rank factory receives by a broadcast or scatter holds no received data.)")
     return unchecked
 
 
