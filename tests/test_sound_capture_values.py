@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from capture_helpers import load_model
+from capture_helpers import MODELS, load_model
 from torch import nn
 
 from refine import capture
@@ -373,3 +373,30 @@ def test_meta_tensors_are_reported_unchecked() -> None:
     assert report.refines, report
     assert any(g.startswith("fc.weight: [Shard(0)]: not checked against values") for g in report.guesses), \
         report.guesses
+
+
+def test_the_cli_exits_2_naming_the_tensor_and_the_rank(tmp_path: Any) -> None:
+    from click.testing import CliRunner
+
+    from refine.cli import main
+
+    target = tmp_path / "strided.py"
+    target.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(MODELS)!r})\n"
+        "import torch\nimport tp_mlp\n\n"
+        "def make_case():\n"
+        "    spec = tp_mlp.make_case()\n"
+        "    seq, make = spec.sequential.model, spec.rank\n\n"
+        "    def rank(r):\n"
+        "        step = make(r)\n"
+        "        with torch.no_grad():\n"
+        "            step.model.fc1.bias.copy_(seq.fc1.bias[r::2])\n"
+        "        return step\n\n"
+        "    spec.rank = rank\n"
+        "    return spec\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["capture", f"{target}:make_case", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "'fc1.bias'" in result.output and "rank 0 holds the strided slices [0::2]" in result.output
+    assert not out.exists()

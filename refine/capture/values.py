@@ -108,6 +108,13 @@ def _eps(*ts: Tensor) -> float:
     return max((torch.finfo(t.dtype).eps for t in ts if t.is_floating_point() or t.is_complex()), default=0.0)
 
 
+def _copy_tol(*ts: Tensor) -> tuple[float, float]:
+    """(rtol, atol) for a copy, perhaps through a coarser dtype: a few roundings, relative,
+    and the spacing of the coarsest dtype's subnormals (tiny values flushed to zero)."""
+    floats = [torch.finfo(t.dtype) for t in ts if t.is_floating_point()]
+    return _ROUNDINGS * _eps(*ts), _ROUNDINGS * max((f.smallest_normal * f.eps for f in floats), default=0.0)
+
+
 def _mismatch(got: Tensor, want: Tensor, rtol: float, atol: float) -> str | None:
     """None when `got` equals `want` within |got - want| <= atol + rtol |want| (exactly for
     integers and bools); else the largest error and where it is."""
@@ -115,7 +122,7 @@ def _mismatch(got: Tensor, want: Tensor, rtol: float, atol: float) -> str | None
         return f"shape {list(got.shape)}, expected {list(want.shape)}"
     if got.numel() == 0:
         return None
-    a, b = canon(got).to(torch.float64), canon(want).to(torch.float64)
+    a, b = canon(got).to("cpu", torch.float64), canon(want).to("cpu", torch.float64)
     err = (a - b).abs()
     both_nan = torch.isnan(a) & torch.isnan(b)
     err = torch.where(both_nan, torch.zeros_like(err), torch.nan_to_num(err, nan=float("inf")))
@@ -134,7 +141,7 @@ def _scale(ts: Iterable[Tensor]) -> float:
 
 
 def _equal(got: Tensor, want: Tensor) -> bool:
-    return _mismatch(got, want, _ROUNDINGS * _eps(got, want), 0.0) is None
+    return _mismatch(got, want, *_copy_tol(got, want)) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -170,7 +177,7 @@ def _check_placed(rel: Relation, v: Tensor, locals_: dict[int, Tensor], mesh: Me
         if not partial:
             (r,) = members
             got = locals_[r]
-            wrong = _mismatch(got, want, _ROUNDINGS * _eps(got, v), 0.0)
+            wrong = _mismatch(got, want, *_copy_tol(got, v))
             if wrong is not None:
                 how = _diagnose(r, got, v, placements, mesh, locals_) or "holds another value than its piece"
                 problems.append(f"rank {r} {how} ({wrong})")
@@ -198,7 +205,7 @@ def _reduce(partial: list[int], placements: tuple[Placement, ...], mesh: Mesh, c
         nonlocal count
         if k == len(partial):
             count += 1
-            return canon(locals_[mesh.rank(tuple(at))])
+            return canon(locals_[mesh.rank(tuple(at))]).cpu()
         i = partial[k]
         parts = []
         for c in range(mesh.axes[i][1]):
