@@ -260,3 +260,45 @@ def test_a_gradient_hook_on_a_data_input_is_refused() -> None:
     with pytest.raises(CaptureError, match=r"rank 0: input 'x' has a gradient hook \(register_hook: double "
                                            r"\(test_sound_capture_hooks.py:\d+\)\)"):
         capture(capture.Spec(capture.Step(seq, step, {"x": x}), rank, world_size=2))
+
+
+# ---------------------------------------------------------------------------------------
+# communication into a tensor the step does not take as an input
+
+
+class Scaled(MLP):
+    def __init__(self, as_buffer: bool) -> None:
+        super().__init__()
+        if as_buffer:
+            self.register_buffer("scale", torch.ones(H))
+        else:
+            self.scale = torch.ones(H)  # a plain attribute: a constant to the trace
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def scaled_spec(as_buffer: bool) -> capture.Spec:
+    """The ranks all-reduce `scale` (ones) before the forward: it is 2 on every rank."""
+    torch.manual_seed(0)
+    seq, x = Scaled(as_buffer), torch.randn(B, H)
+
+    def reduce_then_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(model.scale)
+        return step(model, x)
+
+    def rank(r: int) -> capture.Step:
+        model = Scaled(as_buffer)
+        model.load_state_dict(seq.state_dict())
+        return capture.Step(model, reduce_then_step, {"x": x})
+
+    return capture.Spec(capture.Step(seq, step, {"x": x}), rank, world_size=2)
+
+
+def test_a_collective_into_a_plain_attribute_is_refused() -> None:
+    """make_fx fetches a tensor from outside the step anew at each read, so the all-reduce's
+    result never reached the forward: the pair used to refine."""
+    with pytest.raises(CaptureError, match=r"rank 0: c10d.allreduce_.default .* writes in place to a tensor that is "
+                                           r"not a parameter, buffer or input of the step"):
+        capture(scaled_spec(as_buffer=False))
+    assert "loss" in verdict(scaled_spec(as_buffer=True))  # as a buffer: followed, and twice the output
