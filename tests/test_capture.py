@@ -200,16 +200,29 @@ def spec(rank_model: Any, seq_model: nn.Module | None = None, step: Any = sum_st
          **kw: Any) -> capture.Spec:
     torch.manual_seed(0)
     x = torch.randn(2, 4)
-    return capture.Spec(capture.Step(seq_model or Lin(), seq_step, {"x": x}),
-                        lambda r: capture.Step(rank_model(r), step, {"x": x}), **kw)
+
+    def built(make: Any) -> nn.Module:
+        torch.manual_seed(1)  # both sides start from the same weights: capture checks the relations on the values
+        return make()
+
+    return capture.Spec(capture.Step(seq_model or built(Lin), seq_step, {"x": x}),
+                        lambda r: capture.Step(built(lambda: rank_model(r)), step, {"x": x}), **kw)
+
+
+def half(r: int) -> nn.Module:
+    """Rank r's rows of the sequential Lin (made from the same seed), under the same names."""
+    full, model = Lin(), Lin(out=2)
+    model.fc.load_state_dict({k: v[2 * r:2 * r + 2] for k, v in full.fc.state_dict().items()})
+    return model
 
 
 def test_annotation_names_another_sequential_input_and_layouts(tmp_path: Path) -> None:
     class Col(nn.Module):  # fc split by output rows, under other names
         def __init__(self, r: int, how: str) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.randn(2, 4))
-            self.b = capture.shard(nn.Parameter(torch.randn(2)), 0, seq="fc.bias")
+            full = Lin().fc  # the sequential weights (the same seed): this rank's rows of them
+            self.w = nn.Parameter(full.weight.detach()[2 * r:2 * r + 2].clone())
+            self.b = capture.shard(nn.Parameter(full.bias.detach()[2 * r:2 * r + 2].clone()), 0, seq="fc.bias")
             if how == "shard":
                 capture.shard(self.w, 0, seq="fc.weight")
             else:
@@ -239,7 +252,7 @@ def test_annotation_names_another_sequential_input_and_layouts(tmp_path: Path) -
     assert any("fc.weight.grad" in n for n in laid.notes)  # no placement to expect: reconstructible
     assert laid.check().refines
     # not annotated: same names, the rows halved, so Shard(0) is guessed and the report says so
-    guessed = capture(spec(lambda r: Lin(out=2), step=step, seq_step=seq_step))
+    guessed = capture(spec(half, step=step, seq_step=seq_step))
     assert {"from": "fc.weight", "placements": ["Shard(0)"], "guessed": True} in guessed.dist_doc["relations"]
     report = guessed.check()
     assert report.refines, report

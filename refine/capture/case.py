@@ -10,7 +10,10 @@
 Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
 a gradient. Expectations: the loss is Replicate and equal to the sequential loss; each
 gradient is placed like its parameter. Input relations come from annotations
-(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported).
+(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported);
+every relation is then checked against the values both sides hold (refine.capture.values):
+a contradiction is an error, a tensor without values (meta) leaves its relation unchecked,
+listed in `Case.unchecked` and in every report of the case.
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from refine.build import write_case
 from refine.capture.annotate import Annotation, check_groups, collecting, placements_on
 from refine.capture.convert import Converted, convert
+from refine.capture.dtensor import local_distribution
 from refine.capture.errors import CaptureError
-from refine.capture.trace import Step, Traced, fake_process_group, trace_step
+from refine.capture.trace import Step, Traced, copy_grad_hooks, fake_process_group, trace_step
+from refine.capture.values import check_values, has_values
 from refine.format import FORMAT, VERSION, InputError, load_dist, load_seq
 from refine.ir import Dist, Graph
 from refine.opset import Registry, load_registry
@@ -72,6 +79,8 @@ class Case:
     guesses: list[str] = field(default_factory=list)  # relations derived from names and shapes only
     notes: list[str] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # relations not checked against values (tensors on the meta device): assumed, like guesses
+    unchecked: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Any]:
         # refine.check(*case) takes (seq, dist, registry)
@@ -83,7 +92,7 @@ class Case:
         report = check(self.seq, self.dist, self.registry, f"{self.name}/seq.json", f"{self.name}/dist.json")
         # the document flags the guesses; capture knows why it made each one
         why = {g.split(":")[0]: g for g in self.guesses}
-        report.guesses = [why.get(g.split(":")[0], g) for g in report.guesses]
+        report.guesses = [why.get(g.split(":")[0], g) for g in report.guesses] + self.unchecked
         return report
 
     def write(self, directory: str | Path) -> None:
@@ -97,15 +106,18 @@ class Case:
         lines.append("outputs: " + ", ".join(o["name"] for o in self.seq_doc["graph"]["outputs"]))
         lines.append("relations:")
         guessed = {g.split(":")[0] for g in self.guesses}
+        unchecked = {u.split(":")[0] for u in self.unchecked}
         for r in self.dist_doc["relations"]:
             how = r.get("layout") or "[" + ", ".join(r["placements"]) + "]"
             local = f" (rank input {r['input']})" if "input" in r else ""
-            lines.append(f"  {r['from']}{local}: {how}" + ("  GUESSED" if r["from"] in guessed else ""))
+            lines.append(f"  {r['from']}{local}: {how}" + ("  GUESSED" if r["from"] in guessed else "")
+                         + ("  UNCHECKED" if r["from"] in unchecked else ""))
         explicit = {r["from"] for r in self.dist_doc["relations"]}
         for g in self.guesses:
             if g.split(":")[0] not in explicit:
                 lines.append(f"  {g}  GUESSED")
         lines += [f"note: {n}" for n in self.notes]
+        lines += [f"unchecked: {u}" for u in self.unchecked]
         ops = ", ".join(f"{k} x{v}" for k, v in sorted(s["aten_ops"].items()))
         lines.append(f"aten ops: {ops}")
         return "\n".join(lines)
@@ -138,7 +150,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         where = f"rank {r}"
         with fake_process_group(r, spec.world_size), collecting() as named:
             try:
-                step = spec.rank(r)
+                with local_distribution():
+                    step = spec.rank(r)
             except CaptureError:
                 raise
             except Exception as e:
@@ -169,6 +182,9 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     seq, dist = _load(seq_doc, dist_doc, registry)
     if spec.replay:
         _replay(seq_step, seq_tr, seq_cv, seq, registry, notes)
+    # the relations are the proof's assumptions: the values both sides hold must meet them
+    unchecked = check_values(seq, dist, registry, _values(seq_tr, seq_cv),
+                             {r: _values(rk.traced, rk.converted) for r, rk in ranks.items()})
     aten_ops: Counter[str] = Counter(seq_cv.aten_ops)
     for rk in ranks.values():
         aten_ops.update(rk.converted.aten_ops)
@@ -180,7 +196,15 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
                            if registry.ops[n.op].kind == "collective"),
         "aten_ops": dict(aten_ops),
     }
-    return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats)
+    return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats, unchecked)
+
+
+def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:
+    """Each graph input's value as the step holds it (a DTensor's local tensor)."""
+    from refine.capture.dtensor import is_dtensor
+
+    out = {n: (v.to_local() if is_dtensor(v) else v).detach() for n, _, v in traced.inputs}  # type: ignore[attr-defined]
+    return out | conv.constants
 
 
 def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
@@ -371,8 +395,16 @@ def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: R
     changed what the step computes must never reach the checker."""
     from refine.evaluate import close, eval_graph, max_err
 
+    shapes_only = [n for n, _, v in traced.inputs if not has_values(v)]
+    if shapes_only:
+        notes.append(f"not replayed eagerly: {', '.join(shapes_only[:3])}{' ...' if len(shapes_only) > 3 else ''} "
+                     "hold no values (the meta device)")
+        return
     try:
         model = copy.deepcopy(step.model).double()
+        originals = dict(step.model.named_parameters())
+        for n, p in model.named_parameters():  # a deep copy drops a parameter's gradient hooks; the trace has them
+            copy_grad_hooks(originals[n], p)
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in step.inputs.items()}
         loss = step.step(model, **inputs)
     except Exception as e:  # noqa: BLE001 - the capture itself does not depend on it

@@ -475,6 +475,16 @@ def check_mutations(traced: Traced, where: str) -> None:
                     break
     for m, x, returns_value in mutations:
         p = pos[m]
+        root = storage[x]
+        # a tensor from outside the step (a plain attribute, a global) is a constant to the
+        # trace, fetched anew at each read: a later read would not see the write, and a
+        # collective into it would be communication silently dropped
+        if root.op == "get_attr" and (m.target._schema.name in aten.LEGACY_COLLECTIVES  # type: ignore[union-attr]
+                                      or any(u.op == "get_attr" and u.target == root.target for u in nodes[p + 1:])):
+            raise CaptureError(
+                f"{where}: {m.target} (FX node {m.name!r}, at {source_of(m)}) writes in place to a tensor that is not "
+                "a parameter, buffer or input of the step (a plain attribute or a global, a constant to the trace), "
+                "which capture cannot follow; register it as a buffer or pass it as an input", source_of(m))
         for u in nodes[p + 1:]:
             for inp in u.all_input_nodes:
                 if pos[inp] < p and storage.get(inp) is storage[x]:

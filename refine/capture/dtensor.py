@@ -24,14 +24,26 @@ SequenceParallel, ...) holds its parameters as DTensors. Capture handles them so
   be the sum of the ranks' local gradients, which is what that DTensor means (the optimizer
   step reduces it when it meets the Replicate parameter).
 
+- **values** (`local_distribution`, around each rank factory): `distribute_tensor` (which
+  `parallelize_module` calls) scatters or broadcasts rank 0's data by default; the fake
+  process group communicates nothing, so a rank's shard would hold uninitialised memory.
+  While a rank is built, DTensor splits each rank's own full tensor locally instead
+  (`src_data_rank=None`), which is what the scatter gives when every rank holds the same full
+  tensor (one checkpoint, one seed); the values are then checked against the sequential ones.
+
 Refused (fail closed): _StridedShard and other placements refine has no counterpart for,
 Partial(avg) and other reduce ops, meshes without dim names on more than one dim.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -68,6 +80,42 @@ def fresh_caches() -> None:
         clear = getattr(cached, "cache_clear", None)
         if clear is not None:
             clear()
+
+
+@contextmanager
+def local_distribution() -> Iterator[None]:
+    """While a rank is built: DTensor distributes each rank's own tensor without communication
+    (the fake process group's scatter and broadcast would write nothing)."""
+    module = sys.modules.get("torch.distributed.tensor.placement_types")
+    with ExitStack() as stack:
+        for cls_name in ("Shard", "_StridedShard", "Replicate"):
+            cls = getattr(module, cls_name, None) if module is not None else None
+            for name, raw in list(vars(cls).items()) if cls is not None else []:
+                fn = raw.__func__ if isinstance(raw, classmethod) else raw
+                if callable(fn) and "src_data_rank" in _parameters(fn):
+                    local = _local_source(fn)
+                    stack.enter_context(mock.patch.object(cls, name, classmethod(local) if isinstance(raw, classmethod)
+                                                          else local))
+        yield
+
+
+def _parameters(fn: Callable[..., Any]) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _local_source(fn: Callable[..., Any]) -> Callable[..., Any]:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def local(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind(*args, **kwargs)
+        bound.arguments["src_data_rank"] = None
+        return fn(*bound.args, **bound.kwargs)
+
+    return local
 
 
 def _placement(p: Any, what: str) -> str:

@@ -8,10 +8,20 @@ autograd Functions included) fills their `.grad`, which the traced function retu
 
 Distributed ranks are traced one at a time, each inside a fake process group
 (`fake_process_group`): collectives become graph nodes and compute nothing.
+
+Hooks: module hooks (forward, forward-pre, backward, global ones) run inside the traced call
+and are traced with it. Gradient hooks on a parameter (`register_hook`,
+`register_post_accumulate_grad_hook`) belong to the parameter object, which the trace
+replaces by a fresh leaf: they are registered again on the leaf, so they are traced too.
+What cannot be followed is refused, never dropped: wrappers that communicate from hooks on
+the parameters' gradient accumulators (DistributedDataParallel, FSDP, fully_shard,
+replicate), any hook on a parameter's gradient accumulator, and gradient hooks on buffers
+or data inputs (the trace gives them no gradient).
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import re
 import sys
@@ -203,6 +213,7 @@ def trace_step(step: Step, where: str) -> Traced:
             raise CaptureError(f"{where}: input {name!r} is a {type(v).__name__}, not a tensor")
         if name in params or name in buffers:
             raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
+    refuse_untraceable_hooks(model, buffers, inputs, where)
     grads: list[str] = []
     no_grad: list[str] = []
     has_loss: list[bool] = []
@@ -211,6 +222,8 @@ def trace_step(step: Step, where: str) -> Traced:
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
         leaves = {n: local.rebuild(n, v).detach().requires_grad_(params[n].requires_grad)
                   for n, v in zip(params, p_vals, strict=True)}
+        for n, leaf in leaves.items():
+            copy_grad_hooks(params[n], leaf)
         state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
         with _reparametrize_module(model, state, tie_weights=True):
             loss = step.step(model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
@@ -245,6 +258,104 @@ def trace_step(step: Step, where: str) -> Traced:
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
                   local.grad_annotations, has_loss[-1])
+
+
+# ---------------------------------------------------------------------------------------
+# hooks
+
+
+def grad_hooks(t: torch.Tensor) -> list[tuple[str, Callable[..., Any]]]:
+    """A tensor's gradient hooks, in registration order: ("register_hook" |
+    "register_post_accumulate_grad_hook", function)."""
+    out: list[tuple[str, Callable[..., Any]]] = []
+    for kind, attr in (("register_hook", "_backward_hooks"),
+                       ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks")):
+        out += [(kind, fn) for fn in (getattr(t, attr, None) or {}).values()]
+    return out
+
+
+def copy_grad_hooks(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Register `src`'s gradient hooks on `dst` (a fresh leaf standing for it), in order."""
+    for kind, fn in grad_hooks(src):
+        getattr(dst, kind)(fn)
+
+
+def hook_name(fn: Any) -> str:
+    """A hook function as `name (file.py:line)`."""
+    while hasattr(fn, "func"):  # functools.partial
+        fn = fn.func
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        file, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+    except (OSError, TypeError):
+        return name
+    return f"{name} ({Path(file).name}:{line})" if file else name
+
+
+# Wrappers whose communication runs from hooks the trace does not see (on the original
+# parameters' gradient accumulators, or from reducers in C++): (module, class name, what it does)
+_WRAPPERS = (
+    ("torch.nn.parallel", "DistributedDataParallel", "its reducer all-reduces the gradients from hooks on the "
+     "parameters' gradient accumulators"),
+    ("torch.distributed.fsdp", "FullyShardedDataParallel", "it all-gathers the parameters and reduce-scatters the "
+     "gradients from hooks"),
+    ("torch.distributed.fsdp", "FSDPModule", "fully_shard all-gathers the parameters and reduce-scatters the "
+     "gradients from hooks"),
+)
+_SYNC_ADVICE = ("capture traces fresh parameters, where that communication would silently not happen; write the "
+                "gradient synchronisation in the step instead (e.g. dist.all_reduce(p.grad, op=dist.ReduceOp.AVG) "
+                "for each parameter after loss.backward(), as models/capture/ddp_mlp.py does)")
+
+
+def refuse_untraceable_hooks(model: nn.Module, buffers: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
+                             where: str) -> None:
+    """Refuse what the trace would silently drop: data-parallel wrappers, hooks held on a
+    parameter's gradient accumulator, gradient hooks on tensors that get no gradient."""
+    for path, m in model.named_modules():
+        at = f"module {path!r}" if path else "the model"
+        for mod_name, cls_name, does in _WRAPPERS:
+            cls = getattr(sys.modules.get(mod_name), cls_name, None)
+            if isinstance(cls, type) and isinstance(m, cls):
+                raise CaptureError(f"{where}: {at} is a {mod_name}.{cls_name} ({type(m).__name__}): {does}; "
+                                   + _SYNC_ADVICE)
+        contract = sys.modules.get("torch.distributed._composable.contract")
+        registry = contract._get_registry(m) if contract is not None else None  # type: ignore[attr-defined]
+        for api in registry or {}:
+            if api in ("replicate", "fully_shard"):
+                raise CaptureError(f"{where}: {at} is wrapped by torch.distributed's composable {api}(), which "
+                                   f"communicates from hooks on the parameters; " + _SYNC_ADVICE)
+    for name, p in model.named_parameters():
+        if p.requires_grad and _accumulator_held(p):
+            raise CaptureError(
+                f"{where}: parameter {name!r} has its gradient accumulator (autograd's AccumulateGrad node) held "
+                "outside the step: a hook registered on it (as DistributedDataParallel, Megatron's "
+                "DistributedDataParallel or FSDP register theirs), or an autograd graph of an earlier forward pass "
+                "still alive. Capture traces fresh parameters, so such a hook would silently not run; register "
+                "gradient hooks on the parameter itself (p.register_hook, p.register_post_accumulate_grad_hook: "
+                "traced), or write the gradient synchronisation in the step")
+    for role, tensors in (("buffer", buffers), ("input", inputs)):
+        for name, t in tensors.items():
+            hooks = grad_hooks(t)
+            if hooks:
+                kind, fn = hooks[0]
+                raise CaptureError(f"{where}: {role} {name!r} has a gradient hook ({kind}: {hook_name(fn)}), which "
+                                   f"would never run: capture gives {role}s no gradient")
+
+
+def _accumulator_held(p: torch.Tensor) -> bool:
+    """Whether something outside keeps `p`'s AccumulateGrad node alive (autograd holds it only
+    weakly, so a node made here is a fresh one unless another holder exists): a mark left on
+    the node is still there when it is fetched again only if the node survived in between."""
+    from torch.autograd.graph import get_gradient_edge
+
+    try:
+        get_gradient_edge(p).node.metadata["refine_capture_probe"] = True
+        node = get_gradient_edge(p).node
+    except RuntimeError:  # not a leaf that accumulates (a view, no grad): nothing is held
+        return False
+    held = "refine_capture_probe" in node.metadata
+    node.metadata.pop("refine_capture_probe", None)
+    return held
 
 
 def _why(e: Exception) -> str:
