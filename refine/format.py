@@ -10,6 +10,7 @@ bad input; the JSON Schema is documentation and a tool for editors, not what run
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -38,6 +39,13 @@ FORMAT = "refine-graph"
 VERSION = 1
 ROLES_IN = ("parameter", "data", "buffer")
 ROLES_OUT = ("loss", "gradient", "activation", "other")
+MESH_AXES = 16  # every placement names each axis; real meshes have a few (dp, pp, tp, cp, ep)
+# Sizes are 64-bit integers in the e-graph, and its rules multiply a tensor's dims (a view's
+# prefix products, two merged dims) and add two of them (a concat): a product of any of a
+# tensor's dims must stay below 2^62, so that such a sum stays within i64 (an 8B-parameter
+# flat buffer is 2^33 elements). Integers the e-graph holds as they are must fit in i64.
+MAX_ELEMENTS = 2**62
+I64 = 2**63
 
 # the fields each object of the format may have (anything else is a typo, and an error)
 FIELDS = {
@@ -156,13 +164,20 @@ class _Object(dict):
 
 
 def _duplicate_key(v: Any, where: str) -> tuple[str, str] | None:
-    if isinstance(v, _Object) and v.dups:
-        return where, v.dups[0]
-    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-    for k, x in items:
-        found = _duplicate_key(x, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
-        if found:
-            return found
+    """The first object, in document order, with a key given twice, and that key. A walk, not
+    a recursion: documents nest as deep as the JSON parser allows."""
+    stack = [(v, where)]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, _Object) and x.dups:
+            return at, x.dups[0]
+        if isinstance(x, dict):
+            inner = [(y, f"{at}.{k}") for k, y in x.items() if isinstance(y, (dict, list))]
+        elif isinstance(x, list):
+            inner = [(y, f"{at}[{i}]") for i, y in enumerate(x) if isinstance(y, (dict, list))]
+        else:
+            continue  # the document itself may be a scalar
+        stack.extend(reversed(inner))
     return None
 
 
@@ -231,6 +246,11 @@ def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
     dtype = c.get(obj, "dtype", where, str, "float32")
     if dtype not in DTYPES:
         raise c.fail(f"{where}.dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    count = math.prod(max(d, 1) for d in dims_ if isinstance(d, int))  # symbolic sizes are Python ints there
+    if count >= MAX_ELEMENTS:
+        raise c.fail(f"{where}.shape", f"shape {list(dims_)} has 2^{math.log2(count):.1f} elements (a zero-sized "
+                                       "dim counted as 1): refine reads tensors of fewer than 2^62 elements, "
+                                       "as its e-graph multiplies sizes in 64 bits")
     return TensorType(dims_, dtype)
 
 
@@ -242,12 +262,26 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _number_problem(v: Any) -> str | None:
+    """Why a number literal cannot be read: NaN, or an integer beyond 64 bits. Infinities are
+    values (a mask's -inf); NaN equals nothing, itself included, so no equality refine could
+    prove or refute over a tensor holding it means what torch computes."""
+    if isinstance(v, float) and v != v:
+        return "is NaN, which refine does not reason about (NaN equals nothing, not even itself)"
+    if _is_int(v) and not -I64 <= v < I64:
+        return f"is {v}, which does not fit in 64 bits"
+    return None
+
+
 def _attr_problem(name: str, kind: str, v: Any) -> str | None:
     """Why attribute value `v` does not fit `kind`, or None if it does."""
     optional = kind.endswith("?")
     kind = kind.rstrip("?")
     if v is None:
         return None if optional else "is required; null is not a value for it"
+    problem = next((p for x in (v if isinstance(v, list) else [v]) if (p := _number_problem(x))), None)
+    if problem and kind != "rational":
+        return problem
     ok = {
         "int": _is_int(v),
         "dim": _is_int(v),
@@ -330,7 +364,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         if role not in ROLES_IN:
             raise c.fail(f"{at}.role", f"role must be one of {list(ROLES_IN)}, got {role!r}")
         src = c.get(inp, "source", at, str, None)
-        g.inputs.append(Input(name, _type(c, inp, at), role, src))
+        g.add_input(Input(name, _type(c, inp, at), role, src))
 
     raw_nodes = c.get(obj, "nodes", where, list)
     # every name first, so that a reference to a later node is reported as a cycle/order error
@@ -361,6 +395,8 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                     raise c.fail(f"{at}.args[{j}]", f"{name!r} refers to {a!r}, which is not defined")
             elif not _is_num(a):
                 raise c.fail(f"{at}.args[{j}]", f"an argument is a name or a number, got {_json_type(a)}")
+            elif problem := _number_problem(a):
+                raise c.fail(f"{at}.args[{j}]", f"node {name!r}: the literal {problem}")
         attrs = c.get(n, "attrs", at, dict, {})
         _check_attrs(c, op, op_name, name, attrs, at)
         attrs = _read_sizes(c, op, attrs, at)
@@ -386,7 +422,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
         src = c.get(n, "source", at, str, None)
-        g.nodes.append(Node(name, op_name, list(args), attrs, typ, src))
+        g.add(Node(name, op_name, list(args), attrs, typ, src))
 
     outs = c.get(obj, "outputs", where, list)
     if not outs:
@@ -585,7 +621,10 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     mesh_obj = c.get(doc, "mesh", "$", dict)
     c.fields(mesh_obj, "$.mesh", "mesh")
     axes = []
-    for i, ax in enumerate(c.get(mesh_obj, "axes", "$.mesh", list)):
+    raw_axes = c.get(mesh_obj, "axes", "$.mesh", list)
+    if len(raw_axes) > MESH_AXES:
+        raise c.fail("$.mesh.axes", f"{len(raw_axes)} mesh axes; refine reads up to {MESH_AXES}")
+    for i, ax in enumerate(raw_axes):
         at = f"$.mesh.axes[{i}]"
         c.fields(ax, at, "axis")
         name = c.name(ax, "name", at)
@@ -601,7 +640,14 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
 
     ranks: dict[int, Graph] = {}
     at_rank: dict[int, str] = {}
-    for i, r in enumerate(c.get(doc, "ranks", "$", list)):
+    raw_ranks = c.get(doc, "ranks", "$", list)
+    if mesh.size > len(raw_ranks):
+        # every rank needs its graph: checked before anything walks the ranks of a mesh
+        # that can be any size (an axis of 10^12 ranks)
+        given = {r.get("rank") for r in raw_ranks if isinstance(r, dict)}
+        missing = next(k for k in range(len(raw_ranks) + 1) if k not in given)
+        raise c.fail("$.ranks", f"no graph for rank {missing} (the mesh has {mesh.size} ranks)")
+    for i, r in enumerate(raw_ranks):
         at = f"$.ranks[{i}]"
         c.fields(r, at, "rank")
         rank = c.get(r, "rank", at, int)
@@ -631,12 +677,11 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
                     raise c.fail(f"{nat}.peer", f"rank {rank} cannot {n.op} to itself")
         ranks[rank] = g
         at_rank[rank] = at
-    missing = sorted(set(range(mesh.size)) - set(ranks))
-    if missing:
-        raise c.fail("$.ranks", f"no graph for rank {missing[0]} (the mesh has {mesh.size} ranks)")
+    # as many graphs as ranks, each a distinct rank of the mesh: every rank has its graph
     _check_collectives(c, ranks, at_rank, registry)
 
     seq_inputs = {i.name: i for i in seq.inputs}
+    rank_inputs = {r: {x.name for x in g.inputs} for r, g in ranks.items()}
     relations: list[Relation] = []
     related: dict[str, str] = {}
     defines: list[Define] = []
@@ -653,7 +698,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             for k in ("placements", "input"):
                 if k in rel:
                     raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements', not both")
-            terms = _layouts(c, rel, at, lambda r: {x.name for x in ranks[r].inputs}, ranks, mesh, "an input")
+            terms = _layouts(c, rel, at, lambda r: rank_inputs[r], ranks, mesh, "an input")
             for j, term in enumerate(terms):
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(rel["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(n), registry, want, where, src)
@@ -665,8 +710,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             raise c.fail(at, "a relation needs 'placements' or 'layout'")
         pl = _placements(c, rel, at, mesh, len(want), f"sequential input {src!r}")
         guessed = c.get(rel, "guessed", at, bool, False)
-        for r, g in sorted(ranks.items()):
-            if local not in {x.name for x in g.inputs}:
+        for r in sorted(ranks):
+            if local not in rank_inputs[r]:
                 raise c.fail(f"{at}.input" if "input" in rel else f"{at}.from",
                              f"{local!r} is not an input of rank {r}")
         got = _placed_shape(c, mesh, pl, lambda r, local=local: ranks[r].type_of(local).shape, f"{at}.placements",
@@ -698,11 +743,10 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             continue
         local = c.name(ex, "local", at, out)
         refs: dict[int, str] = {}
-        for r, g in sorted(ranks.items()):
-            o = next((o for o in g.outputs if o.name == local), None)
-            if o is None:
+        for r in sorted(ranks):
+            if local not in outs[r]:
                 raise c.fail(f"{at}.local" if "local" in ex else f"{at}.output", f"{local!r} is not an output of rank {r}")
-            refs[r] = o.ref
+            refs[r] = outs[r][local]
         if "placements" in ex:
             pl = _placements(c, ex, at, mesh, len(want), f"sequential output {out!r}")
         else:
@@ -731,7 +775,7 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
     rank = int(r)
     if rank not in ranks:
         raise c.fail(f"{at}.define", f"{target!r}: there is no rank {rank} (the mesh has {len(ranks)} ranks)")
-    if name not in {x.name for x in ranks[rank].inputs}:
+    if not isinstance(ranks[rank].index().get(name), Input):
         raise c.fail(f"{at}.define", f"{target!r} is not an input of rank {rank}")
     if (rank, name) in defined:
         raise c.fail(f"{at}.define", f"{target!r} is defined twice (also at {defined[rank, name]})")
@@ -743,7 +787,7 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
         raise c.fail(f"{at}.as", f"syntax error in define {text!r}: {e}") from None
     except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
         raise c.fail(f"{at}.as", f"syntax error in define {text!r} ({type(e).__name__}: {e})") from None
-    seq_types = {x.name: x.type for x in seq.inputs}
+    seq_types = {x: i.type for x in term.leaves() if isinstance(i := seq.index().get(x), Input)}
     for leaf in sorted(term.leaves()):
         if leaf not in seq_types:
             raise c.fail(f"{at}.as", f"{leaf!r} is not an input of the sequential graph")

@@ -59,10 +59,7 @@ class Builder:
         if key is not None:
             self.memo[key] = name
         node = Node(name, op, list(args), attrs, out, self.source, self.origin)
-        self.graph.nodes.append(node)
-        index = self.graph._index
-        if index is not None:  # kept up to date: rebuilt at every emit, lowering was quadratic
-            index[name] = node
+        self.graph.add(node)
         return name
 
     # conveniences for decompositions
