@@ -8,6 +8,7 @@ line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -91,6 +92,13 @@ class Builder:
         return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
 
 
+def rational(v: Any, what: str) -> Fraction:
+    """A number as the exact rational a `Scale` multiplies by: an infinity has none."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ShapeError(f"{what} {v} is not a finite number: refine scales by exact rationals")
+    return Fraction(v)
+
+
 def _frozen(v: Any) -> Any:
     if isinstance(v, dict):
         return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
@@ -148,7 +156,10 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
             rename[n.name] = args[0]  # type: ignore[assignment]
             continue
         if op.decompose is not None:
-            out = op.decompose(b, args, attrs, n.type)
+            try:
+                out = op.decompose(b, args, attrs, n.type)
+            except ShapeError as e:  # name the node: the caller knows the file only
+                raise ShapeError(f"node {n.name!r} ({n.op}): {e}") from None
             if core.type_of(out).shape != n.type.shape:
                 raise ShapeError(f"{n.op} gives shape {list(core.type_of(out).shape)}, node says {list(n.type.shape)}")
             rename[n.name] = out
