@@ -90,6 +90,9 @@ class _Ctx:
     def __init__(self, file: str) -> None:
         self.file = file
         self.symbols: dict[str, dims.Sym] = {}
+        # types read so far, by their shape of plain ints and dtype: most tensors share a few
+        # (read once, and one object: a million-node graph holds a few thousand types)
+        self.types: dict[tuple[tuple[int, ...], str], TensorType] = {}
 
     def fail(self, where: str, reason: str) -> InputError:
         return InputError(self.file, where or "$", reason)
@@ -138,13 +141,21 @@ def read_json(path: str | Path) -> Any:
         raise InputError(str(path), "$", f"not UTF-8 text (byte {e.start}): not a JSON file") from None
     except OSError as e:
         raise InputError(str(path), "$", f"cannot read: {e.strerror or e}") from None
+    repeated: list[_Object] = []  # objects with a key given twice: only then is the document walked
+
+    def read_object(pairs: list[tuple[str, Any]]) -> _Object:
+        obj = _Object(pairs)
+        if obj.dups:
+            repeated.append(obj)
+        return obj
+
     try:
-        doc = json.loads(text, object_pairs_hook=_Object)
+        doc = json.loads(text, object_pairs_hook=read_object)
     except json.JSONDecodeError as e:
         raise InputError(str(path), f"line {e.lineno} column {e.colno}", f"malformed JSON: {e.msg}") from None
     except RecursionError:
         raise InputError(str(path), "$", "malformed JSON: nested too deeply") from None
-    dup = _duplicate_key(doc, "$")
+    dup = _duplicate_key(doc, "$") if repeated else None
     if dup is not None:
         where, key = dup
         raise InputError(str(path), where, f"key {key!r} appears twice in one object (JSON keeps only the last)")
@@ -242,8 +253,11 @@ def _dim(c: _Ctx, v: Any, where: str, allow_minus_one: bool = False) -> Any:
 
 def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
     shape = c.get(obj, "shape", where, list)
-    dims_ = tuple(_dim(c, s, f"{where}.shape[{i}]") for i, s in enumerate(shape))
     dtype = c.get(obj, "dtype", where, str, "float32")
+    key = (tuple(shape), dtype) if all(type(s) is int for s in shape) else None  # True is no 1 here
+    if key in c.types:
+        return c.types[key]  # type: ignore[index]
+    dims_ = tuple(_dim(c, s, f"{where}.shape[{i}]") for i, s in enumerate(shape))
     if dtype not in DTYPES:
         raise c.fail(f"{where}.dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
     count = math.prod(max(d, 1) for d in dims_ if isinstance(d, int))  # symbolic sizes are Python ints there
@@ -251,7 +265,10 @@ def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
         raise c.fail(f"{where}.shape", f"shape {list(dims_)} has 2^{math.log2(count):.1f} elements (a zero-sized "
                                        "dim counted as 1): refine reads tensors of fewer than 2^62 elements, "
                                        "as its e-graph multiplies sizes in 64 bits")
-    return TensorType(dims_, dtype)
+    typ = TensorType(dims_, dtype)
+    if key is not None:
+        c.types[key] = typ
+    return typ
 
 
 def _is_int(v: Any) -> bool:
