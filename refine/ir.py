@@ -89,10 +89,13 @@ class Graph:
         of = self._of
         if of is None or of[0] is not self.inputs or of[1] is not self.nodes or \
                 self._sizes != (len(self.inputs), len(self.nodes)):
-            self._index = {i.name: i for i in self.inputs} | {n.name: n for n in self.nodes}
-            self._of = (self.inputs, self.nodes)
-            self._sizes = (len(self.inputs), len(self.nodes))
+            self._reindex()
         return self._index
+
+    def _reindex(self) -> None:
+        self._index = {i.name: i for i in self.inputs} | {n.name: n for n in self.nodes}
+        self._of = (self.inputs, self.nodes)
+        self._sizes = (len(self.inputs), len(self.nodes))
 
     def add(self, node: Node) -> None:
         """Append a node, indexed (a rebuild of the index per node made loading quadratic)."""

@@ -34,6 +34,7 @@ class Builder:
     # recompute masks, casts, views) is one tensor, so relations found for it hold for all
     # its uses. Collectives are events, never merged.
     memo: dict[Any, str] = field(default_factory=dict)
+    numbered: dict[str, int] = field(default_factory=dict)  # base name -> the last number tried
 
     def type(self, ref: str) -> TensorType:
         return self.graph.type_of(ref)
@@ -49,10 +50,12 @@ class Builder:
         if name is None:
             # readable and unique: fc2_bias.expand, fc2_bias.Sum, fc2_bias.expand2
             base = f"{self.origin}.{op}"
-            name, k = base, 1
+            k = self.numbered.get(base, 1)  # from the last one: a split into n pieces names n nodes, not n^2
+            name = f"{base}{k}" if k > 1 else base
             while name in self.graph.index():
                 k += 1
                 name = f"{base}{k}"
+            self.numbered[base] = k
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
         key = None if spec.kind == "collective" else (op, tuple(args), _frozen(attrs), out.dtype)
         if key is not None and key in self.memo:
