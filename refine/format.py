@@ -158,6 +158,8 @@ def read_json(path: str | Path) -> Any:
         raise InputError(str(path), f"line {e.lineno} column {e.colno}", f"malformed JSON: {e.msg}") from None
     except RecursionError:
         raise InputError(str(path), "$", "malformed JSON: nested too deeply") from None
+    except ValueError as e:  # a number of more digits than Python converts
+        raise InputError(str(path), "$", f"unreadable JSON: {e}") from None
     dup = _duplicate_key(doc, "$") if repeated else None
     if dup is not None:
         where, key = dup
@@ -289,7 +291,7 @@ def _number_problem(v: Any) -> str | None:
     if isinstance(v, float) and v != v:
         return "is NaN, which refine does not reason about (NaN equals nothing, not even itself)"
     if _is_int(v) and not -I64 <= v < I64:
-        return f"is {v}, which does not fit in 64 bits"
+        return f"is an integer of {v.bit_length()} bits, which does not fit in 64 bits"
     return None
 
 

@@ -39,13 +39,21 @@ def pair(node: Doc | None = None, x: list[Any] | None = None, seq_extra: Doc | N
     return seq, dist
 
 
-def run(tmp_path: Path, seq: Doc, dist: Doc) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+def write(tmp_path: Path, seq: Doc, dist: Doc) -> tuple[Path, Path]:
     s, d = tmp_path / "seq.json", tmp_path / "dist.json"
     s.write_text(json.dumps(seq))  # NaN and Infinity as Python's json writes (and reads) them
     d.write_text(json.dumps(dist))
-    p = subprocess.run([sys.executable, "-m", "refine.cli", "check", str(s), str(d)],
-                       capture_output=True, text=True, timeout=30, cwd=ROOT)
-    return p, s, d
+    return s, d
+
+
+def cli(s: Path, d: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "refine.cli", "check", str(s), str(d)],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+def run(tmp_path: Path, seq: Doc, dist: Doc) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    s, d = write(tmp_path, seq, dist)
+    return cli(s, d), s, d
 
 
 def refused(p: subprocess.CompletedProcess[str], file: Path, where: str, *reason: str) -> None:
@@ -147,6 +155,12 @@ def test_integer_literal_beyond_64_bits(tmp_path: Path) -> None:
     seq, dist = pair({"op": "mul", "args": ["x", 10**400]})
     p, s, _ = run(tmp_path, seq, dist)
     refused(p, s, "$.graph.nodes[0].args[1]", "does not fit in 64 bits")
+
+
+def test_integer_beyond_what_python_reads(tmp_path: Path) -> None:
+    s, d = write(tmp_path, *pair({"op": "mul", "args": ["x", 12345]}))
+    s.write_text(s.read_text().replace("12345", "9" * 5000))  # json.dumps writes no such number
+    refused(cli(s, d), s, "$", "unreadable JSON", "5000 digits")
 
 
 @pytest.mark.parametrize("node", [
