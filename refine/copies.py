@@ -199,8 +199,38 @@ class _Values:
         return _random(typ, self.gen, 8)
 
     def __call__(self, name: str) -> Tensor:
-        if name in self.memo:
-            return self.memo[name]
+        # what a value is computed from first, depth first in argument order (the order of
+        # the random draws): a walk, not a recursion, as constants chain as deep as the program
+        stack = [(name, False)]
+        while stack:
+            x, ready = stack.pop()
+            if x in self.memo:
+                continue
+            deps = [y for y in self._reads(x) if y not in self.memo]
+            if ready or not deps:
+                self.memo[x] = self._value(x)
+            else:
+                stack.append((x, True))
+                stack.extend((y, False) for y in reversed(deps))
+        return self.memo[name]
+
+    def _reads(self, name: str) -> list[str]:
+        """The rank tensors `_value` reads, in the order it reads them."""
+        from refine.prove import is_constant
+
+        d = self.prog.defs.get(name)
+        if name in self.defines or d is None or not (name in self.region or is_constant(self.prog, name)):
+            return []
+        out: list[str] = []
+        todo = [d]
+        while todo:
+            t = todo.pop()
+            if t.op in ("D", "Out") and t.attrs[0] not in out:
+                out.append(t.attrs[0])
+            todo.extend(reversed(t.args))
+        return out
+
+    def _value(self, name: str) -> Tensor:
         from refine.prove import is_constant
 
         d = self.prog.defs.get(name)
@@ -217,7 +247,6 @@ class _Values:
             if base not in self.outside:
                 self.outside[base] = self._random(self.prog.types[name])
             v = self.outside[base]
-        self.memo[name] = v
         return v
 
 
@@ -313,11 +342,18 @@ def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> lis
 
     out: list[str] = []
     seen: set[str] = set()
-
-    def go(x: str, budget: int) -> None:
+    # depth first, a tensor after what it reads: a walk (definitions chain deep in a region)
+    stack = [(n, OUTSIDE, False) for n in reversed(names)]
+    while stack:
+        x, budget, done = stack.pop()
+        if done:
+            if x not in out:
+                out.append(x)
+            continue
         if x in seen:
-            return
+            continue
         seen.add(x)
+        stack.append((x, budget, True))
         d = prog.defs.get(x)
         if d is not None and is_constant(prog, x):
             for c in _constant_closure(prog, x):
@@ -325,13 +361,8 @@ def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> lis
                     seen.add(c)
                     out.append(c)
         elif d is not None and (x in region or budget > 0):
-            for dep in sorted(d.leaves()):
-                go(dep, OUTSIDE if x in region else budget - 1)
-        if x not in out:
-            out.append(x)
-
-    for n in names:
-        go(n, OUTSIDE)
+            inner = OUTSIDE if x in region else budget - 1
+            stack.extend((dep, inner, False) for dep in reversed(sorted(d.leaves())))
     return out
 
 

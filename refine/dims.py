@@ -545,9 +545,27 @@ def _floor_sign(atom: Atom) -> int:
     return 0
 
 
+# A size is a polynomial, and arithmetic multiplies terms: a product of n sums of k symbols
+# has k^n terms (a 300-byte size has 8^40), and the fast comparison expands each monomial
+# x1^p1 ... xk^pk, one factor at a time, into (p1 + 1) ... (pk + 1) terms (2^40 for a
+# product of 40 symbols). Programs write sizes of a few terms of low degree (B*S*H/tp: one
+# term, 24 steps), so a size read from a file is refused when those steps pass EXPANSION,
+# far above what programs write and far below where the arithmetic stops being instant; a
+# product of such sizes (a tensor's elements) beyond it is left to Z3, whose time is bounded.
+EXPANSION = 1 << 14
+
+
+def _expansion(p: Sym) -> int:
+    """About the products the fast comparison takes: per monomial, its degree times the terms
+    it expands into."""
+    return sum(sum(k for _, k in mono) * math.prod(k + 1 for _, k in mono) for mono, _ in p.terms)
+
+
 @functools.lru_cache(maxsize=_CACHE)
 def _fast_nonneg(p: Sym, strict: bool) -> bool:
     """Shift each atom x = m0 + multiple*t (t >= 0 real); all coefficients >= 0 proves p >= 0."""
+    if _expansion(p) > EXPANSION:
+        return False  # not proven here (Z3 may)
     shifts: dict[str, Poly] = {}
     for a in p.atoms:
         if a.floor is not None:
@@ -658,6 +676,13 @@ _TOKEN = re.compile(r"\s*(?:(?P<int>[0-9]+)|(?P<name>[^\W\d]\w*)|(?P<op>[-+*/()]
 _MAX_DEPTH = 200
 
 
+def _too_complex(d: Dim) -> str | None:
+    """Why a size read from a file is refused: see EXPANSION."""
+    if type(d) is Sym and (n := _expansion(d)) > EXPANSION:
+        return f"comparing it would take {n} steps of expansion; refine reads sizes of at most {EXPANSION}"
+    return None
+
+
 def parse(text: str, symbols: dict[str, Sym]) -> Dim:
     """Parse integers, names from `symbols`, + - * / ( ) and unary minus. Never evaluates code.
 
@@ -685,14 +710,20 @@ def parse(text: str, symbols: dict[str, Sym]) -> Dim:
         what = "end of input" if kind == "end" else repr(s)
         return ValueError(f"unexpected {what} at {at}")
 
+    def bounded(d: Dim, at: int) -> Dim:
+        problem = _too_complex(d)
+        if problem:
+            raise ValueError(f"size too complex at {at}: {problem}")
+        return d
+
     def expr(depth: int) -> Dim:
         nonlocal i
         acc = term(depth)
         while peek()[1] in ("+", "-") and peek()[0] == "op":
-            op = peek()[1]
+            op, at = peek()[1], peek()[2]
             i += 1
             rhs = term(depth)
-            acc = add(acc, rhs) if op == "+" else sub(acc, rhs)
+            acc = bounded(add(acc, rhs) if op == "+" else sub(acc, rhs), at)
         return acc
 
     def term(depth: int) -> Dim:
@@ -703,7 +734,7 @@ def parse(text: str, symbols: dict[str, Sym]) -> Dim:
             i += 1
             rhs = unary(depth)
             if op == "*":
-                acc = mul(acc, rhs)
+                acc = bounded(mul(acc, rhs), at)
                 continue
             try:
                 acc = exact_div(acc, rhs)

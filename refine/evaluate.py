@@ -387,15 +387,19 @@ def int_bounds(seq: Graph, registry: Registry) -> dict[str, int]:
     out: dict[str, int] = {}
 
     def sources(ref: str) -> set[str]:
-        node = idx.get(ref)
-        if node is None or not hasattr(node, "op"):
-            return {ref}
-        if node.op in ("view", "slice", "transpose", "expand", "cat", "Sum"):  # type: ignore[union-attr]
-            s: set[str] = set()
-            for a in node.tensor_args():  # type: ignore[union-attr]
-                s |= sources(a)
-            return s
-        return set()
+        """The inputs ref moves the elements of (a walk: views chain as deep as the graph)."""
+        out: set[str] = set()
+        seen, todo = {ref}, [ref]
+        while todo:
+            node = idx.get(x := todo.pop())
+            if node is None or not hasattr(node, "op"):
+                out.add(x)
+            elif node.op in ("view", "slice", "transpose", "expand", "cat", "Sum"):  # type: ignore[union-attr]
+                for a in node.tensor_args():  # type: ignore[union-attr]
+                    if a not in seen:
+                        seen.add(a)
+                        todo.append(a)
+        return out
 
     for n in core.nodes:
         if n.op == "embedding":

@@ -53,6 +53,21 @@ class Term:
         return show(self)
 
 
+def depth(t: Term) -> int:
+    """The number of ops on the longest path from t down to a leaf, plus one."""
+    out = 0
+    reached: dict[int, int] = {}  # by identity: a shared subterm is walked again only deeper
+    stack = [(t, 1)]
+    while stack:
+        x, d = stack.pop()
+        if reached.get(id(x), 0) >= d:
+            continue
+        reached[id(x)] = d
+        out = max(out, d)
+        stack.extend((a, d + 1) for a in x.args)
+    return out
+
+
 def leaf(name: str) -> Term:
     return Term("D", (), (name,))
 
@@ -301,6 +316,11 @@ def _quoted_name(tok: str) -> str:
     return re.sub(r"\\(.)", escape, tok[1:end], flags=re.S) + tok[end + 1:]
 
 
+# Calls nested in one layout at most: a relation is a few ops deep (a concat of slices of a
+# fused weight), and every walk over a term recurses (refine.prove.TERM_DEPTH)
+LAYOUT_DEPTH = 32
+
+
 def parse_layout(text: str, sequential: bool = False) -> Term:
     """A relation expression over rank tensors `name@rank`; with `sequential`, a define's
     expression over sequential inputs (bare names) that may also hold `zeros([..])`."""
@@ -314,6 +334,7 @@ def parse_layout(text: str, sequential: bool = False) -> Term:
         toks.append(m.group(1))
         pos = m.end()
     i = 0
+    nested = 0
 
     def peek() -> str:
         return toks[i] if i < len(toks) else ""
@@ -356,6 +377,7 @@ def parse_layout(text: str, sequential: bool = False) -> Term:
         return expr()
 
     def expr() -> Term:
+        nonlocal nested
         tok = take()
         if tok.startswith('"'):
             name = _quoted_name(tok)
@@ -371,6 +393,9 @@ def parse_layout(text: str, sequential: bool = False) -> Term:
         name = tok
         if sequential and peek() != "(" and re.fullmatch(r"[A-Za-z_]\w*", tok):
             return leaf(tok)
+        nested += 1
+        if nested > LAYOUT_DEPTH:
+            raise LayoutSyntaxError(f"calls nested deeper than {LAYOUT_DEPTH}")
         take("(")
         pos_args: list[Any] = []
         kw: dict[str, Any] = {}
@@ -384,6 +409,7 @@ def parse_layout(text: str, sequential: bool = False) -> Term:
             if peek() == ",":
                 take(",")
         take(")")
+        nested -= 1
         return _layout_term(name, pos_args, kw, sequential)
 
     t = expr()

@@ -17,12 +17,15 @@ Entangle importer translates a dump in its FX graph order (the order it was reco
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
+import math
 import re
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from refine import dims
 from refine.expr import LayoutSyntaxError, parse_layout
@@ -43,10 +46,18 @@ from refine.ir import (
 from refine.normalize import normalize_attrs
 from refine.opset import Op, Registry, ShapeError
 
+T = TypeVar("T")
 FORMAT = "refine-graph"
 VERSION = 1
 ROLES_IN = ("parameter", "data", "buffer")
 ROLES_OUT = ("loss", "gradient", "activation", "other")
+MESH_AXES = 16  # every placement names each axis; real meshes have a few (dp, pp, tp, cp, ep)
+# Sizes are 64-bit integers in the e-graph, and its rules multiply a tensor's dims (a view's
+# prefix products, two merged dims) and add two of them (a concat): a product of any of a
+# tensor's dims must stay below 2^62, so that such a sum stays within i64 (an 8B-parameter
+# flat buffer is 2^33 elements). Integers the e-graph holds as they are must fit in i64.
+MAX_ELEMENTS = 2**62
+I64 = 2**63
 
 # the fields each object of the format may have (anything else is a typo, and an error)
 FIELDS = {
@@ -91,6 +102,9 @@ class _Ctx:
     def __init__(self, file: str) -> None:
         self.file = file
         self.symbols: dict[str, dims.Sym] = {}
+        # types read so far, by their shape of plain ints and dtype: most tensors share a few
+        # (read once, and one object: a million-node graph holds a few thousand types)
+        self.types: dict[tuple[tuple[int, ...], str], TensorType] = {}
 
     def fail(self, where: str, reason: str) -> InputError:
         return InputError(self.file, where or "$", reason)
@@ -139,13 +153,23 @@ def read_json(path: str | Path) -> Any:
         raise InputError(str(path), "$", f"not UTF-8 text (byte {e.start}): not a JSON file") from None
     except OSError as e:
         raise InputError(str(path), "$", f"cannot read: {e.strerror or e}") from None
+    repeated: list[_Object] = []  # objects with a key given twice: only then is the document walked
+
+    def read_object(pairs: list[tuple[str, Any]]) -> _Object:
+        obj = _Object(pairs)
+        if obj.dups:
+            repeated.append(obj)
+        return obj
+
     try:
-        doc = json.loads(text, object_pairs_hook=_Object)
+        doc = json.loads(text, object_pairs_hook=read_object)
     except json.JSONDecodeError as e:
         raise InputError(str(path), f"line {e.lineno} column {e.colno}", f"malformed JSON: {e.msg}") from None
     except RecursionError:
         raise InputError(str(path), "$", "malformed JSON: nested too deeply") from None
-    dup = _duplicate_key(doc, "$")
+    except ValueError as e:  # a number of more digits than Python converts
+        raise InputError(str(path), "$", f"unreadable JSON: {e}") from None
+    dup = _duplicate_key(doc, "$") if repeated else None
     if dup is not None:
         where, key = dup
         raise InputError(str(path), where, f"key {key!r} appears twice in one object (JSON keeps only the last)")
@@ -169,13 +193,20 @@ class _Object(dict):
 
 
 def _duplicate_key(v: Any, where: str) -> tuple[str, str] | None:
-    if isinstance(v, _Object) and v.dups:
-        return where, v.dups[0]
-    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-    for k, x in items:
-        found = _duplicate_key(x, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]")
-        if found:
-            return found
+    """The first object, in document order, with a key given twice, and that key. A walk, not
+    a recursion: documents nest as deep as the JSON parser allows."""
+    stack = [(v, where)]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, _Object) and x.dups:
+            return at, x.dups[0]
+        if isinstance(x, dict):
+            inner = [(y, f"{at}.{k}") for k, y in x.items() if isinstance(y, (dict, list))]
+        elif isinstance(x, list):
+            inner = [(y, f"{at}[{i}]") for i, y in enumerate(x) if isinstance(y, (dict, list))]
+        else:
+            continue  # the document itself may be a scalar
+        stack.extend(reversed(inner))
     return None
 
 
@@ -260,11 +291,22 @@ def _dim(c: _Ctx, v: Any, where: str, allow_minus_one: bool = False) -> Any:
 
 def _type(c: _Ctx, obj: dict[str, Any], where: str) -> TensorType:
     shape = c.get(obj, "shape", where, list)
-    dims_ = tuple(_dim(c, s, f"{where}.shape[{i}]") for i, s in enumerate(shape))
     dtype = c.get(obj, "dtype", where, str, "float32")
+    key = (tuple(shape), dtype) if all(type(s) is int for s in shape) else None  # True is no 1 here
+    if key in c.types:
+        return c.types[key]  # type: ignore[index]
+    dims_ = tuple(_dim(c, s, f"{where}.shape[{i}]") for i, s in enumerate(shape))
     if dtype not in DTYPES:
         raise c.fail(f"{where}.dtype", f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    return TensorType(dims_, dtype)
+    count = math.prod(max(d, 1) for d in dims_ if isinstance(d, int))  # symbolic sizes are Python ints there
+    if count >= MAX_ELEMENTS:
+        raise c.fail(f"{where}.shape", f"shape {list(dims_)} has 2^{math.log2(count):.1f} elements (a zero-sized "
+                                       "dim counted as 1): refine reads tensors of fewer than 2^62 elements, "
+                                       "as its e-graph multiplies sizes in 64 bits")
+    typ = TensorType(dims_, dtype)
+    if key is not None:
+        c.types[key] = typ
+    return typ
 
 
 def _is_int(v: Any) -> bool:
@@ -275,12 +317,26 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _number_problem(v: Any) -> str | None:
+    """Why a number literal cannot be read: NaN, or an integer beyond 64 bits. Infinities are
+    values (a mask's -inf); NaN equals nothing, itself included, so no equality refine could
+    prove or refute over a tensor holding it means what torch computes."""
+    if isinstance(v, float) and v != v:
+        return "is NaN, which refine does not reason about (NaN equals nothing, not even itself)"
+    if _is_int(v) and not -I64 <= v < I64:
+        return f"is an integer of {v.bit_length()} bits, which does not fit in 64 bits"
+    return None
+
+
 def _attr_problem(name: str, kind: str, v: Any) -> str | None:
     """Why attribute value `v` does not fit `kind`, or None if it does."""
     optional = kind.endswith("?")
     kind = kind.rstrip("?")
     if v is None:
         return None if optional else "is required; null is not a value for it"
+    problem = next((p for x in (v if isinstance(v, list) else [v]) if (p := _number_problem(x))), None)
+    if problem and kind != "rational":
+        return problem
     ok = {
         "int": _is_int(v),
         "dim": _is_int(v),
@@ -363,7 +419,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         if role not in ROLES_IN:
             raise c.fail(f"{at}.role", f"role must be one of {list(ROLES_IN)}, got {role!r}")
         src = c.get(inp, "source", at, str, None)
-        g.inputs.append(Input(name, _type(c, inp, at), role, src))
+        g.add_input(Input(name, _type(c, inp, at), role, src))
 
     raw_nodes = c.get(obj, "nodes", where, list)
     # every name first, so that a reference to a later node is reported as a cycle/order error
@@ -394,6 +450,8 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                     raise c.fail(f"{at}.args[{j}]", f"{name!r} refers to {a!r}, which is not defined")
             elif not _is_num(a):
                 raise c.fail(f"{at}.args[{j}]", f"an argument is a name or a number, got {_json_type(a)}")
+            elif problem := _number_problem(a):
+                raise c.fail(f"{at}.args[{j}]", f"node {name!r}: the literal {problem}")
         attrs = c.get(n, "attrs", at, dict, {})
         _check_attrs(c, op, op_name, name, attrs, at)
         attrs = _read_sizes(c, op, attrs, at)
@@ -419,7 +477,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
         if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
         src = c.get(n, "source", at, str, None)
-        g.nodes.append(Node(name, op_name, list(args), attrs, typ, src))
+        g.add(Node(name, op_name, list(args), attrs, typ, src))
 
     outs = c.get(obj, "outputs", where, list)
     if not outs:
@@ -446,6 +504,25 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
     return g
 
 
+def _uncollected(load: Callable[..., T]) -> Callable[..., T]:
+    """`load` with the cyclic collector paused: a load makes millions of objects and no
+    reference cycles, and the collector's passes over them (a full one walks everything
+    made so far) took 40% of loading a 10^6-node graph."""
+
+    @functools.wraps(load)
+    def run(*args: Any, **kwargs: Any) -> T:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return load(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return run
+
+
+@_uncollected
 def load_seq(path: str | Path, registry: Registry) -> Graph:
     c = _Ctx(str(path))
     doc = read_json(path)
@@ -610,6 +687,7 @@ def _show(attrs: dict[str, Any]) -> str:
     return json.dumps(attrs, sort_keys=True, default=str)
 
 
+@_uncollected
 def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     c = _Ctx(str(path))
     doc = read_json(path)
@@ -618,7 +696,10 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
     mesh_obj = c.get(doc, "mesh", "$", dict)
     c.fields(mesh_obj, "$.mesh", "mesh")
     axes = []
-    for i, ax in enumerate(c.get(mesh_obj, "axes", "$.mesh", list)):
+    raw_axes = c.get(mesh_obj, "axes", "$.mesh", list)
+    if len(raw_axes) > MESH_AXES:
+        raise c.fail("$.mesh.axes", f"{len(raw_axes)} mesh axes; refine reads up to {MESH_AXES}")
+    for i, ax in enumerate(raw_axes):
         at = f"$.mesh.axes[{i}]"
         c.fields(ax, at, "axis")
         name = c.name(ax, "name", at)
@@ -634,7 +715,14 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
 
     ranks: dict[int, Graph] = {}
     at_rank: dict[int, str] = {}
-    for i, r in enumerate(c.get(doc, "ranks", "$", list)):
+    raw_ranks = c.get(doc, "ranks", "$", list)
+    if mesh.size > len(raw_ranks):
+        # every rank needs its graph: checked before anything walks the ranks of a mesh
+        # that can be any size (an axis of 10^12 ranks)
+        given = {r.get("rank") for r in raw_ranks if isinstance(r, dict)}
+        missing = next(k for k in range(len(raw_ranks) + 1) if k not in given)
+        raise c.fail("$.ranks", f"no graph for rank {missing} (the mesh has {mesh.size} ranks)")
+    for i, r in enumerate(raw_ranks):
         at = f"$.ranks[{i}]"
         c.fields(r, at, "rank")
         rank = c.get(r, "rank", at, int)
@@ -664,12 +752,11 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
                     raise c.fail(f"{nat}.peer", f"rank {rank} cannot {n.op} to itself")
         ranks[rank] = g
         at_rank[rank] = at
-    missing = sorted(set(range(mesh.size)) - set(ranks))
-    if missing:
-        raise c.fail("$.ranks", f"no graph for rank {missing[0]} (the mesh has {mesh.size} ranks)")
+    # as many graphs as ranks, each a distinct rank of the mesh: every rank has its graph
     _check_collectives(c, ranks, at_rank, registry)
 
     seq_inputs = {i.name: i for i in seq.inputs}
+    rank_inputs = {r: {x.name for x in g.inputs} for r, g in ranks.items()}
     relations: list[Relation] = []
     related: dict[str, str] = {}
     defines: list[Define] = []
@@ -686,7 +773,7 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             for k in ("placements", "input"):
                 if k in rel:
                     raise c.fail(f"{at}.{k}", "a relation has either 'layout' or 'input'/'placements', not both")
-            terms = _layouts(c, rel, at, lambda r: {x.name for x in ranks[r].inputs}, ranks, mesh, "an input")
+            terms = _layouts(c, rel, at, lambda r: rank_inputs[r], ranks, mesh, "an input")
             for j, term in enumerate(terms):
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(rel["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(n), registry, want, where, src)
@@ -698,8 +785,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             raise c.fail(at, "a relation needs 'placements' or 'layout'")
         pl = _placements(c, rel, at, mesh, len(want), f"sequential input {src!r}")
         guessed = c.get(rel, "guessed", at, bool, False)
-        for r, g in sorted(ranks.items()):
-            if local not in {x.name for x in g.inputs}:
+        for r in sorted(ranks):
+            if local not in rank_inputs[r]:
                 raise c.fail(f"{at}.input" if "input" in rel else f"{at}.from",
                              f"{local!r} is not an input of rank {r}")
         got = _placed_shape(c, mesh, pl, lambda r, local=local: ranks[r].type_of(local).shape, f"{at}.placements",
@@ -731,11 +818,10 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             continue
         local = c.name(ex, "local", at, out)
         refs: dict[int, str] = {}
-        for r, g in sorted(ranks.items()):
-            o = next((o for o in g.outputs if o.name == local), None)
-            if o is None:
+        for r in sorted(ranks):
+            if local not in outs[r]:
                 raise c.fail(f"{at}.local" if "local" in ex else f"{at}.output", f"{local!r} is not an output of rank {r}")
-            refs[r] = o.ref
+            refs[r] = outs[r][local]
         if "placements" in ex:
             pl = _placements(c, ex, at, mesh, len(want), f"sequential output {out!r}")
         else:
@@ -764,7 +850,7 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
     rank = int(r)
     if rank not in ranks:
         raise c.fail(f"{at}.define", f"{target!r}: there is no rank {rank} (the mesh has {len(ranks)} ranks)")
-    if name not in {x.name for x in ranks[rank].inputs}:
+    if not isinstance(ranks[rank].index().get(name), Input):
         raise c.fail(f"{at}.define", f"{target!r} is not an input of rank {rank}")
     if (rank, name) in defined:
         raise c.fail(f"{at}.define", f"{target!r} is defined twice (also at {defined[rank, name]})")
@@ -776,7 +862,7 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
         raise c.fail(f"{at}.as", f"syntax error in define {text!r}: {e}") from None
     except Exception as e:  # the parser should say LayoutSyntaxError; never let it escape
         raise c.fail(f"{at}.as", f"syntax error in define {text!r} ({type(e).__name__}: {e})") from None
-    seq_types = {x.name: x.type for x in seq.inputs}
+    seq_types = {x: i.type for x in term.leaves() if isinstance(i := seq.index().get(x), Input)}
     for leaf in sorted(term.leaves()):
         if leaf not in seq_types:
             raise c.fail(f"{at}.as", f"{leaf!r} is not an input of the sequential graph")

@@ -77,12 +77,36 @@ class Graph:
     symbols: dict[str, Any] = field(default_factory=dict)  # name -> refine.dims.Sym
 
     def __post_init__(self) -> None:
-        self._index: dict[str, Input | Node] | None = None
+        self._index: dict[str, Input | Node] = {}
+        self._of: tuple[list[Input], list[Node]] | None = None  # the lists _index was built from
+        self._sizes = (0, 0)  # and their lengths then
 
     def index(self) -> dict[str, Input | Node]:
-        if self._index is None or len(self._index) != len(self.inputs) + len(self.nodes):
-            self._index = {i.name: i for i in self.inputs} | {n.name: n for n in self.nodes}
+        """Every input and node by name. Kept up to date by `add`/`add_input`; a list
+        appended to or cut elsewhere, or replaced, is seen by its length and identity and
+        the index rebuilt. (Graphs are only appended to: a node replaced in place,
+        `nodes[i] = m`, would not be seen; build a new Graph instead.)"""
+        of = self._of
+        if of is None or of[0] is not self.inputs or of[1] is not self.nodes or \
+                self._sizes != (len(self.inputs), len(self.nodes)):
+            self._reindex()
         return self._index
+
+    def _reindex(self) -> None:
+        self._index = {i.name: i for i in self.inputs} | {n.name: n for n in self.nodes}
+        self._of = (self.inputs, self.nodes)
+        self._sizes = (len(self.inputs), len(self.nodes))
+
+    def add(self, node: Node) -> None:
+        """Append a node, indexed (a rebuild of the index per node made loading quadratic)."""
+        self.index()[node.name] = node
+        self.nodes.append(node)
+        self._sizes = (len(self.inputs), len(self.nodes))
+
+    def add_input(self, inp: Input) -> None:
+        self.index()[inp.name] = inp
+        self.inputs.append(inp)
+        self._sizes = (len(self.inputs), len(self.nodes))
 
     def type_of(self, ref: str) -> TensorType:
         return self.index()[ref].type

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from fractions import Fraction
 
 from refine.expr import Term
@@ -197,17 +198,41 @@ def core_refs(seq: Graph, registry: Registry) -> dict[str, str]:
 
 def _linear(t: Term, prog: DistProgram, c: Fraction, out: dict[str, Fraction]) -> None:
     """The coefficient of each term of t read as a weighted sum (Sum and Scale, through the
-    definitions of rank tensors that are sums or scales; anything else is one term)."""
-    if t.op == "Scale":
-        _linear(t.args[0], prog, c * Fraction(t.attrs[0]), out)
-    elif t.op == "Sum":
-        for a in t.args:
-            _linear(a, prog, c, out)
-    elif t.op == "D" and (d := prog.defs.get(t.attrs[0])) is not None and d.op in ("Sum", "Scale"):
-        _linear(d, prog, c, out)
-    else:
-        key = prog.same.find(t.attrs[0]) if t.op == "D" else str(t.rename(prog.same.find))
-        out[key] = out.get(key, Fraction(0)) + c
+    definitions of rank tensors that are sums or scales; anything else is one term).
+
+    Coefficients flow down the sums' DAG in topological order, each part once all its
+    sums' shares are in: a rank's chain of thousands of sums is a walk, not a recursion,
+    and a tensor summed twice (x + x, again and again) is not expanded once per path."""
+
+    def parts(x: Term) -> list[tuple[Term, Fraction]]:
+        if x.op == "Scale":
+            return [(x.args[0], Fraction(x.attrs[0]))]
+        if x.op == "Sum":
+            return [(a, Fraction(1)) for a in x.args]
+        if x.op == "D" and (d := prog.defs.get(x.attrs[0])) is not None and d.op in ("Sum", "Scale"):
+            return [(d, Fraction(1))]
+        return []
+
+    waiting: Counter[Term] = Counter()  # how many sums a part is in, counted over the DAG
+    seen, todo = {t}, [t]
+    while todo:
+        for y, _ in parts(todo.pop()):
+            waiting[y] += 1
+            if y not in seen:
+                seen.add(y)
+                todo.append(y)
+    coef, ready = {t: c}, [t]
+    while ready:
+        x = ready.pop()
+        inner = parts(x)
+        if not inner:
+            key = prog.same.find(x.attrs[0]) if x.op == "D" else str(x.rename(prog.same.find))
+            out[key] = out.get(key, Fraction(0)) + coef[x]
+        for y, f in inner:
+            coef[y] = coef.get(y, Fraction(0)) + coef[x] * f
+            waiting[y] -= 1
+            if waiting[y] == 0:
+                ready.append(y)
 
 
 def _term_factor(failing: list[OutputResult], refs: dict[str, str], inf: Inference,

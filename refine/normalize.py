@@ -8,6 +8,7 @@ line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -33,6 +34,7 @@ class Builder:
     # recompute masks, casts, views) is one tensor, so relations found for it hold for all
     # its uses. Collectives are events, never merged.
     memo: dict[Any, str] = field(default_factory=dict)
+    numbered: dict[str, int] = field(default_factory=dict)  # base name -> the last number tried
 
     def type(self, ref: str) -> TensorType:
         return self.graph.type_of(ref)
@@ -48,10 +50,12 @@ class Builder:
         if name is None:
             # readable and unique: fc2_bias.expand, fc2_bias.Sum, fc2_bias.expand2
             base = f"{self.origin}.{op}"
-            name, k = base, 1
+            k = self.numbered.get(base, 1)  # from the last one: a split into n pieces names n nodes, not n^2
+            name = f"{base}{k}" if k > 1 else base
             while name in self.graph.index():
                 k += 1
                 name = f"{base}{k}"
+            self.numbered[base] = k
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
         key = None if spec.kind == "collective" else (op, tuple(args), _frozen(attrs), out.dtype)
         if key is not None and key in self.memo:
@@ -59,10 +63,7 @@ class Builder:
         if key is not None:
             self.memo[key] = name
         node = Node(name, op, list(args), attrs, out, self.source, self.origin)
-        self.graph.nodes.append(node)
-        index = self.graph._index
-        if index is not None:  # kept up to date: rebuilt at every emit, lowering was quadratic
-            index[name] = node
+        self.graph.add(node)
         return name
 
     # conveniences for decompositions
@@ -92,6 +93,13 @@ class Builder:
 
     def transpose(self, ref: str, i: int, j: int) -> str:
         return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
+
+
+def rational(v: Any, what: str) -> Fraction:
+    """A number as the exact rational a `Scale` multiplies by: an infinity has none."""
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ShapeError(f"{what} {v} is not a finite number: refine scales by exact rationals")
+    return Fraction(v)
 
 
 def _frozen(v: Any) -> Any:
@@ -151,7 +159,10 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
             rename[n.name] = args[0]  # type: ignore[assignment]
             continue
         if op.decompose is not None:
-            out = op.decompose(b, args, attrs, n.type)
+            try:
+                out = op.decompose(b, args, attrs, n.type)
+            except ShapeError as e:  # name the node: the caller knows the file only
+                raise ShapeError(f"node {n.name!r} ({n.op}): {e}") from None
             if core.type_of(out).shape != n.type.shape:
                 raise ShapeError(f"{n.op} gives shape {list(core.type_of(out).shape)}, node says {list(n.type.shape)}")
             rename[n.name] = out

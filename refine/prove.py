@@ -25,6 +25,7 @@ from refine.expr import (
     NARY,
     OPAQUE,
     Term,
+    depth,
     from_egglog,
     lit,
     opaque,
@@ -61,6 +62,11 @@ PATIENCE = 3
 FLOOD = 200_000
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
+# What a node passes on to its users is a term no deeper than this, else an opaque leaf (no
+# clean relation): each walk over a term recurses, and a chain of views of a fused value
+# (or a relation no rank tensor stands for) would pass a term one op deeper at every node.
+# Relations over rank tensors are a few ops deep (a concat of slices of a fused weight).
+TERM_DEPTH = 64
 CARRY_OPS = 16  # an unclean mask's term up to this many distinct ops is seen by its users
 CARRY_HOPS = 12  # and the frontier of their steps' retry
 COUNTERPART_DEPTH = 8  # uses downstream of its step a rank counterpart stays offered (see _counterparts)
@@ -1088,10 +1094,27 @@ def is_constant(prog: DistProgram, name: str) -> bool:
     """A rank tensor computed from constants only (`full`, `expand(full)`, ...): it is
     available to every step, whatever the relations found so far."""
     memo = prog.constant
-    if name not in memo:
-        memo[name] = False  # a cycle (impossible in a valid program) is not constant
-        d = prog.defs.get(name)
-        memo[name] = d is not None and all(is_constant(prog, x) for x in d.leaves())
+    opened: set[str] = set()
+    stack = [name]  # a walk, not a recursion: definitions chain thousands deep
+    while stack:
+        x = stack[-1]
+        if x in memo:
+            stack.pop()
+            continue
+        d = prog.defs.get(x)
+        deps = d.leaves() if d is not None else set()
+        pending = [y for y in deps if y not in memo]
+        if d is None or any(not memo[y] for y in deps if y in memo):
+            memo[x] = False
+        elif not pending:
+            memo[x] = True
+        elif x in opened:  # revisited with a dependency still open: a cycle (impossible in a valid program)
+            memo[x] = False
+        else:
+            opened.add(x)
+            stack.extend(pending)
+            continue
+        stack.pop()
     return memo[name]
 
 
@@ -1192,10 +1215,11 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             for c in _counterparts(prog, n.op, leaves, tensors) - known:
                 counterparts[c] = COUNTERPART_DEPTH
         offered[n.name] = counterparts
-        if res.clean:
+        if res.clean and depth(res.best) <= TERM_DEPTH:
             clean[n.name] = True
             down[n.name] = res.best
-        elif OPAQUE not in ops and ((n.op in fusing and not over_fused) or (over_fused and n.op in _PASS_FUSED)):
+        elif OPAQUE not in ops and ((n.op in fusing and not over_fused) or (over_fused and n.op in _PASS_FUSED)) \
+                and depth(term) <= TERM_DEPTH:
             # its users see the op over its inputs' relations; left out of `clean`: whether
             # it is right is decided at its users (localization passes over it). Views and
             # concats of a fused term pass it on too (a stack of norms, rules/vector_norm.py)
@@ -1203,7 +1227,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         else:
             clean[n.name] = False
             masks = not n.type.dtype.startswith(("float", "bfloat")) or over_carried
-            if masks and OPAQUE not in ops and _dag_size(term) <= CARRY_OPS:
+            if masks and OPAQUE not in ops and _dag_size(term) <= CARRY_OPS and depth(term) <= TERM_DEPTH:
                 # a small unclean mask or index (bool or integer), and what is computed from
                 # it, is carried to its users: no rank holds the sequential mask over the
                 # whole vocab, only what it selects (Megatron's vocab-parallel target lookup)

@@ -14,7 +14,7 @@ from typing import Any
 
 from refine.ir import Arg, Node, TensorType
 from refine.lazy import F, torch
-from refine.normalize import Builder
+from refine.normalize import Builder, rational
 from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
 
@@ -73,7 +73,7 @@ def _lower_elementwise(core: str):
 
 def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
-    alpha = Fraction(attrs.get("alpha", 1))
+    alpha = rational(attrs.get("alpha", 1), "alpha")
     terms = []
     for a, f in ((x, Fraction(1)), (y, alpha)):
         if _constant(b, a) == 0:
@@ -91,7 +91,7 @@ def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
 
 def _sub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
-    alpha = Fraction(attrs.get("alpha", 1))
+    alpha = rational(attrs.get("alpha", 1), "alpha")
     return _add(b, [x, y], {"alpha": -alpha}, out)
 
 
@@ -102,6 +102,11 @@ def _rsub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
 
 def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
+
+
+def _finite(a: Arg) -> bool:
+    """A tensor, or a literal that is a real number."""
+    return isinstance(a, str) or math.isfinite(float(a))
 
 
 def _constant(b: Builder, a: Arg) -> Arg:
@@ -120,6 +125,10 @@ def _constant(b: Builder, a: Arg) -> Arg:
 
 def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = (_constant(b, a) for a in args)
+    if not all(_finite(a) for a in (x, y)):
+        # an infinity is no rational factor (inf * 0 is NaN): the product of values, as for
+        # an infinite `full` operand (_constant)
+        return _lower_elementwise("mul_t")(b, args, attrs, out)
     if not isinstance(x, str) and not isinstance(y, str):
         return b.const(float(Fraction(x) * Fraction(y)), out.shape, out.dtype)
     if (not isinstance(x, str) and x == 0) or (not isinstance(y, str) and y == 0):
@@ -134,7 +143,7 @@ def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
 
 def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args[0], _constant(b, args[1])
-    if not isinstance(y, str) and isinstance(x, str):
+    if not isinstance(y, str) and isinstance(x, str) and _finite(y):
         if float(y) == 0.0:
             raise ShapeError("division by the literal 0")
         return b.scale(_operand(b, x, out.shape), 1 / Fraction(y))

@@ -6,12 +6,11 @@ a's batch dims; user ops (mm, bmm, matmul, linear, addmm, baddbmm) lower to it.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Any
 
 from refine.ir import Arg, TensorType
 from refine.lazy import torch
-from refine.normalize import Builder
+from refine.normalize import Builder, rational
 from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, matmul_shape, rewrite, rule
 
 
@@ -55,8 +54,8 @@ def _linear(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType)
 
 def _addmm(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     bias, x, w = args
-    y = b.scale(_lower_matmul(b, [x, w], {}, out), Fraction(attrs.get("alpha", 1)))
-    beta = Fraction(attrs.get("beta", 1))
+    y = b.scale(_lower_matmul(b, [x, w], {}, out), rational(attrs.get("alpha", 1), "alpha"))
+    beta = rational(attrs.get("beta", 1), "beta")
     if beta == 0:
         return y
     return b.emit("Sum", [y, b.scale(b.broadcast(bias, out.shape), beta)], {}, out)
