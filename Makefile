@@ -27,7 +27,7 @@ lint: setup
 bench: setup
 	$(BIN)/python -m refine.bench
 	$(BIN)/python -m refine.bench_corpus  # the external corpus matrix, when ../shared/corpus is there
-	$(BIN)/python -m refine.bench_mutate  # mutation sweep over corpus cases (bench_mutate.md); exit 1 if one is unsound
+	$(BIN)/python -m refine.bench_mutate  # mutation sweep: examples, captured and corpus cases (bench_mutate.md); exit 1 if one is unsound or crashed
 
 clean:
 	rm -rf $(VENV) build *.egg-info
