@@ -102,14 +102,14 @@ class Outcome:
     wrong: bool | None  # numerically wrong on some output; None: not evaluated
     culprit: str = ""
     error: float = math.nan
-    dead: bool = False  # the mutated site reaches no rank output: it cannot change a value
+    dead: bool = False  # the mutated site reaches no rank output, or only names changed: no value can
 
     @property
     def kind(self) -> str:
         if self.verdict == "crash":
             return "crashed"
         if self.verdict == "exit 2":  # fail-closed, unless the program was right all along
-            return "incomplete" if self.wrong is False else "refused"
+            return "incomplete" if self.wrong is False or (self.wrong is None and self.dead) else "refused"
         if self.wrong is None and self.dead:
             return "neutral" if self.verdict == "REFINES" else "incomplete"
         if self.wrong is None:
@@ -1203,7 +1203,8 @@ class Judge:
             wrong, err = self._same
         else:
             wrong, err = self.wrong(twin, m.fresh_inputs)
-        dead = bool(m.ranks) and not any(live(self.dist, r, m.node) for r in m.ranks if r in self.dist.ranks)
+        dead = (bool(m.ranks) and not any(live(self.dist, r, m.node) for r in m.ranks if r in self.dist.ranks)) \
+            or (m.operator == "rename" and twin is self.dist)
         if m.refused or m.crash or dist is None:
             return Outcome(m, "crash" if m.crash else "exit 2", wrong, _line(m.crash or m.refused), err, dead)
         try:

@@ -379,8 +379,8 @@ def test_no_seq_document_no_rename() -> None:
 # outcomes
 
 
-def _outcome(verdict: str, wrong: bool | None) -> str:
-    return Outcome(Mutant("scale", "n", "all ranks", "", {}), verdict, wrong).kind
+def _outcome(verdict: str, wrong: bool | None, dead: bool = False) -> str:
+    return Outcome(Mutant("scale", "n", "all ranks", "", {}), verdict, wrong, dead=dead).kind
 
 
 def test_outcome_kinds() -> None:
@@ -392,6 +392,10 @@ def test_outcome_kinds() -> None:
     assert _outcome("exit 2", True) == "refused"
     assert _outcome("exit 2", False) == "incomplete"  # a correct program refused
     assert _outcome("crash", False) == "crashed" and _outcome("crash", True) == "crashed"
+    # not evaluated (too large), but no value changed (a dead site, a renaming only)
+    assert _outcome("REFINES", None, dead=True) == "neutral"
+    assert _outcome("exit 2", None, dead=True) == "incomplete"
+    assert _outcome("REFINES", None) == "unjudged"
 
 
 def test_a_mutant_refused_at_load_for_its_defect(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,12 +448,15 @@ def test_a_crash_in_the_check_is_reported_not_raised(monkeypatch: pytest.MonkeyP
 
 
 def test_sweep_table_counts_per_operator_and_case() -> None:
-    from refine.bench_mutate import CASES, KINDS, one, summary, table
+    from refine.bench_mutate import CASES, KINDS, one, operator_order, summary, table
 
     assert {c.name for c in CASES if c.kind == "example"} >= {"tp_mlp", "sp_mlp", "vocab_embedding"}
     assert not any("_bug_" in c.name for c in CASES)
+    assert sorted(operator_order()) == sorted(ALL_OPERATORS) and operator_order()[0] == "int_cast"
     res = one("tp_mlp", 4, 0)
-    assert res["case"] == "tp_mlp" and len(res["rows"]) == 5 and res["rows"][0]["operator"] == "none"
+    assert res["case"] == "tp_mlp" and [r["operator"] for r in res["rows"]] == \
+        ["none", "int_cast", "repeat_piece", "overlap_piece", "shared_piece"]  # the new operators first
+    assert res["rows"][0]["kind"] == "neutral" and all(r["kind"] in KINDS for r in res["rows"])
     fake = {"case": "x", "cpu_s": 1.0, "rss_mib": 1.0, "rows": [
         {"operator": "none", "mutant": "none", "verdict": "REFINES", "wrong": False, "kind": "neutral", "culprit": ""},
         {"operator": "rename", "mutant": "rename a: 'a' renamed 'b|c'", "verdict": "crash", "wrong": False,
@@ -459,4 +466,4 @@ def test_sweep_table_counts_per_operator_and_case() -> None:
     text = table([res, fake])
     assert "| int_cast | 0 | 1 |" in text and "refused" in KINDS
     assert "**crashed** rename a: 'a' renamed 'b\\|c'" in summary([fake])
-    assert "4 mutants over 1 cases: caught 4, refused 0, neutral 0, incomplete 0, UNSOUND 0" in summary([res])
+    assert summary([res]).startswith("# Mutation sweep\n\n4 mutants over 1 cases: caught ")
