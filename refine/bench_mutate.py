@@ -191,10 +191,14 @@ def summary(results: list[dict[str, Any]], wall: float | None = None) -> str:
     cost = {res["case"]: f"{res['cpu_s']:.0f} s CPU, {res['rss_mib']:.0f} MiB" for res in results}
     lines += _counts_table("Per case", "case", per_case, cost)
     base = [(res["case"], r) for res in results for r in res["rows"] if r["operator"] == "none"
-            and r["kind"] != "neutral"]
+            and (r["verdict"] != "REFINES" or r["kind"] not in ("neutral", "unjudged"))]
     if base:
         lines += ["The unmutated case itself is not neutral (the rest of its rows mean little): "
                   + ", ".join(f"{c} ({r['kind']})" for c, r in base), ""]
+    blind = Counter(r["operator"] for _, r in mutants if r["kind"] == "unjudged" and r["verdict"] == "REFINES")
+    if blind:
+        lines += ["Unjudged mutants that REFINE (too large to evaluate; a live bug there is likely unsound): "
+                  + ", ".join(f"{op} {n}" for op, n in sorted(blind.items())), ""]
     bad = [(c, r) for c, r in mutants if r["kind"] in FAILING]
     lines += ["## UNSOUND and crashed mutants", ""]
     lines += [f"- {c}: **{r['kind']}** {_cell(r['mutant'])}" + (f" ({_cell(r['culprit'])})" if r["culprit"] else "")
