@@ -507,7 +507,8 @@ def _swap_window(reg: Registry, g: Doc, name: str, p2p: bool) -> tuple[int, int,
     return p, i, need
 
 
-def _swap_comms(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, p2p: bool) -> str | None:
+def _swap_comms(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, p2p: bool, control: bool) -> str | None:
+    """The swap; its control (the order as it was) is the case itself."""
     g = _graphs(doc)[r]
     w = _swap_window(reg, g, name, p2p)
     if w is None:
@@ -516,21 +517,24 @@ def _swap_comms(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, p2p: boo
     nodes = g["nodes"]
     before, n = nodes[p], nodes[i]
     window = nodes[p:i + 1]
-    nodes[p:i + 1] = [m for m in window if m["name"] in need] + [m for m in window if m["name"] not in need]
+    if not control:
+        nodes[p:i + 1] = [m for m in window if m["name"] in need] + [m for m in window if m["name"] not in need]
     return f"{name} ({_comm_label(n)}) moved before {before['name']} ({_comm_label(before)})"
 
 
-def _swap_collectives(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, rng: random.Random) -> str | None:
+def _swap_collectives(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, rng: random.Random,
+                      control: bool = False) -> str | None:
     """A collective moved before the communication of another group (or a send/recv) it
     follows: a deadlock when a partner runs them in the other order (two groups that share
     two ranks), else the same values."""
-    return _swap_comms(reg, doc, dist, r, name, False)
+    return _swap_comms(reg, doc, dist, r, name, False, control)
 
 
-def _swap_send_recv(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, rng: random.Random) -> str | None:
+def _swap_send_recv(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, rng: random.Random,
+                    control: bool = False) -> str | None:
     """A send or recv moved before the send/recv of another peer or direction it follows
     (a recv posted before the send its partner waits for: a deadlock)."""
-    return _swap_comms(reg, doc, dist, r, name, True)
+    return _swap_comms(reg, doc, dist, r, name, True, control)
 
 
 def order_deadlock(ranks: dict[int, Graph], registry: Registry) -> str | None:
@@ -764,7 +768,9 @@ RELATION_OPERATORS: dict[str, DocEdit] = {
     "overlap_piece": _overlap_piece,
     "shared_piece": _shared_piece,
 }
-REFUSABLE = {"int_cast", "int_dtype", *RELATION_OPERATORS}  # their planted defect may be refused at load
+# their planted defect may be refused at load (a value-changing cast, an order that deadlocks,
+# a relation reading a tensor twice): each has a control, the same edit made harmless
+REFUSABLE = {*EXTRA_OPERATORS, *RELATION_OPERATORS}
 
 
 # ---------------------------------------------------------------------------------------
@@ -1055,10 +1061,8 @@ def mutate_one(seq: Graph, dist: Dist, doc: Doc, registry: Registry, operator: s
             rng = _site_rng(seed, operator, site)
             if operator in OPERATORS:
                 d = OPERATORS[operator](registry, new, dist, r, site, rng)
-            elif operator in REFUSABLE:
-                d = EXTRA_OPERATORS[operator](registry, new, dist, r, site, rng, control)  # type: ignore[call-arg]
             else:
-                d = EXTRA_OPERATORS[operator](registry, new, dist, r, site, rng)
+                d = EXTRA_OPERATORS[operator](registry, new, dist, r, site, rng, control)  # type: ignore[call-arg]
             if d is None:
                 return None
             details.append(d)
