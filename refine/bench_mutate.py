@@ -53,6 +53,8 @@ CASES: list[Case] = [
     *_examples(),
     # a world all_reduce next to a tensor-parallel one: a rank that swaps them deadlocks
     Case("built/dp_tp_stat", "built", ("dp_tp_stat",)),
+    # fc1 kept in bfloat16 and read back as float32: casts whose dtype a bug makes an int
+    Case("built/tp_mlp_bf16", "built", ("tp_mlp_bf16",)),
     # pipelines (sends and recvs, the tied embedding's all_reduce), 2D meshes (dp x tp, kv x rep)
     Case("capture/pp_tied_2", "capture", ("pp_tied", {"world_size": 2})),
     Case("capture/pp_tied_3", "capture", ("pp_tied", {"world_size": 3})),
@@ -106,13 +108,38 @@ def dp_tp_stat(out: str | Path, dp: int = 2, tp: int = 2) -> None:
     write_case(out, seq_doc(s), dist_doc({"dp": dp, "tp": tp}, ranks, rel, ex))
 
 
+def tp_mlp_bf16(out: str | Path, world: int = 2) -> None:
+    """A tensor-parallel MLP whose fc1 output is kept in bfloat16 (`to_copy`) and read back
+    as float32 (`cast`), as activation memory savings do: dtype attributes to mutate."""
+    from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+
+    T, H, F = 8, 8, 16
+
+    def mlp(g: GraphBuilder, f: int, reduce: list[int] | None) -> None:
+        x, w1, w2 = g.input("x", [T, H]), g.input("w1", [H, f], role="parameter"), g.input("w2", [f, H], role="parameter")
+        low = g.op("to_copy", g.op("matmul", x, w1, name="fc1"), name="fc1_bf16", dtype="bfloat16")
+        h = g.op("gelu", g.op("cast", low, name="fc1_f32", dtype="float32"), name="act", approximate="none")
+        y = g.op("matmul", h, w2, name="fc2")
+        g.output("y", y if reduce is None else g.op("all_reduce", y, name="fc2_sum", reduce_op="sum", group=reduce))
+
+    s = GraphBuilder()
+    mlp(s, F, None)
+    ranks = {}
+    for r in range(world):
+        ranks[r] = GraphBuilder()
+        mlp(ranks[r], F // world, list(range(world)))
+    rel = [{"from": "x", "placements": ["Replicate"]}, {"from": "w1", "placements": ["Shard(1)"]},
+           {"from": "w2", "placements": ["Shard(0)"]}]
+    write_case(out, seq_doc(s), dist_doc({"tp": world}, ranks, rel, [{"output": "y", "placements": ["Replicate"]}]))
+
+
 def _write_case(case: Case, d: Path) -> None:
     """seq.json and dist.json of the case in directory d."""
     if case.kind == "example":
         for f in ("seq.json", "dist.json"):
             (d / f).write_text((ROOT / "models" / case.source[0] / f).read_text())
     elif case.kind == "built":
-        {"dp_tp_stat": dp_tp_stat}[case.source[0]](d)
+        {"dp_tp_stat": dp_tp_stat, "tp_mlp_bf16": tp_mlp_bf16}[case.source[0]](d)
     elif case.kind == "capture":
         from refine import capture
 
