@@ -29,7 +29,8 @@ from typing import Any
 
 from refine.bench_corpus import CORPUS, RELATIONS, ROOT
 
-KINDS = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "unjudged")
+KINDS = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "timeout", "unjudged")
+CHECK_LIMIT = 120.0  # CPU seconds for one mutant's check (aws_llama's take 10-20): past it, "timeout"
 FAILING = ("UNSOUND", "crashed")  # a false proof, or a check that raised: exit 1
 
 
@@ -181,7 +182,7 @@ def one(name: str, count: int | None, seed: int) -> dict[str, object]:
             print(f"{name}: {o.kind:10} {o.verdict:16} {_cell(o.mutant.name)[:160]}", file=sys.stderr, flush=True)
 
         for o in run(seq, dist, doc, registry, count or case.count, seed, operator_order(), on_outcome=log,
-                     evaluate=case.evaluate, seq_doc=read_doc(d / "seq.json")):
+                     evaluate=case.evaluate, seq_doc=read_doc(d / "seq.json"), check_limit=CHECK_LIMIT):
             rows.append({"operator": o.mutant.operator, "mutant": o.mutant.name, "verdict": o.verdict,
                          "wrong": o.wrong, "kind": o.kind, "culprit": o.culprit,
                          "error": None if o.error != o.error else o.error})
@@ -226,8 +227,8 @@ def summary(results: list[dict[str, Any]], wall: float | None = None) -> str:
     if blind:
         lines += ["Unjudged mutants that REFINE (too large to evaluate; a live bug there is likely unsound): "
                   + ", ".join(f"{op} {n}" for op, n in sorted(blind.items())), ""]
-    bad = [(c, r) for c, r in mutants if r["kind"] in FAILING]
-    lines += ["## UNSOUND and crashed mutants", ""]
+    bad = [(c, r) for c, r in mutants if r["kind"] in (*FAILING, "timeout")]
+    lines += ["## UNSOUND, crashed and timed-out mutants", ""]
     lines += [f"- {c}: **{r['kind']}** {_cell(r['mutant'])}" + (f" ({_cell(r['culprit'])})" if r["culprit"] else "")
               for c, r in bad] or ["none"]
     return "\n".join(lines) + "\n"

@@ -25,7 +25,8 @@ sorts it:
 - neutral: REFINES and numerically equal;
 - incomplete: DOES NOT REFINE (or exit 2) but numerically equal (the prover missed an equality);
 - UNSOUND: REFINES while numerically wrong, the one outcome that must never happen;
-- crashed: the check raised something other than a clean input error (a defect).
+- crashed: the check raised something other than a clean input error (a defect);
+- timeout: no verdict within the CPU time given to each check (`run(check_limit=...)`).
 
 Deterministic given the seed. From the command line: `refine mutate SEQ DIST --count N --seed S`.
 """
@@ -36,8 +37,11 @@ import copy
 import json
 import math
 import random
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +102,7 @@ class Mutant:
 @dataclass
 class Outcome:
     mutant: Mutant
-    verdict: str  # REFINES | DOES NOT REFINE | exit 2 | crash
+    verdict: str  # REFINES | DOES NOT REFINE | exit 2 | crash | timeout
     wrong: bool | None  # numerically wrong on some output; None: not evaluated
     culprit: str = ""
     error: float = math.nan
@@ -106,8 +110,8 @@ class Outcome:
 
     @property
     def kind(self) -> str:
-        if self.verdict == "crash":
-            return "crashed"
+        if self.verdict in ("crash", "timeout"):
+            return {"crash": "crashed", "timeout": "timeout"}[self.verdict]
         if self.verdict == "exit 2":  # fail-closed, unless the program was right all along
             return "incomplete" if self.wrong is False or (self.wrong is None and self.dead) else "refused"
         if self.wrong is None and self.dead:
@@ -1120,11 +1124,38 @@ def _rename_one(seq: Graph, dist: Dist, doc: Doc, registry: Registry, operator: 
 # judging
 
 
+class CheckTimeout(BaseException):
+    """A check ran out of its CPU time (a BaseException: no `except Exception` in the checker
+    may take it for a failure of its own)."""
+
+
+@contextmanager
+def cpu_limit(seconds: float | None) -> Iterator[None]:
+    """Raise CheckTimeout in the block once the process has spent `seconds` of CPU time in it
+    (CPU, not wall time: the same limit on a loaded machine). No limit off the main thread."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise CheckTimeout
+
+    old = signal.signal(signal.SIGPROF, stop)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
+
+
 class Judge:
     """Checks mutants and evaluates them against the sequential side, computed once."""
 
-    def __init__(self, seq: Graph, dist: Dist, registry: Registry, seed: int = 0, evaluate: bool = True) -> None:
+    def __init__(self, seq: Graph, dist: Dist, registry: Registry, seed: int = 0, evaluate: bool = True,
+                 check_limit: float | None = None) -> None:
         self.seq, self.dist, self.registry, self.seed, self.evaluate = seq, dist, registry, seed, evaluate
+        self.check_limit = check_limit  # CPU seconds a mutant's check may take; None: no limit
         self.symbolic = bool(case_symbols(seq, dist))
         self.inputs: dict[int, tuple[dict[int, dict[str, Tensor]], dict[str, Tensor]]] = {}
         self._same: tuple[bool | None, float] | None = None
@@ -1212,7 +1243,13 @@ class Judge:
         if m.refused or m.crash or dist is None:
             return Outcome(m, "crash" if m.crash else "exit 2", wrong, _line(m.crash or m.refused), err, dead)
         try:
-            report = check(m.seq or self.seq, dist, self.registry, "seq", f"mutant {m.name}")
+            with cpu_limit(self.check_limit):
+                report = check(m.seq or self.seq, dist, self.registry, "seq", f"mutant {m.name}")
+        except CheckTimeout:
+            from refine.check import _ENGINES
+
+            _ENGINES.clear()  # the interrupted engine may hold a half-run e-graph: the next check starts afresh
+            return Outcome(m, "timeout", wrong, f"no verdict in {self.check_limit:.0f} s CPU", err, dead)
         except InputError as e:
             return Outcome(m, "exit 2", wrong, _line(e.reason), err, dead)
         except Exception as e:  # noqa: BLE001 - a crash is a defect to report, not the end of the sweep
@@ -1230,8 +1267,9 @@ def _line(text: str, width: int = 120) -> str:
 
 def run(seq: Graph, dist: Dist, doc: Doc, registry: Registry, count: int, seed: int = 0,
         operators: list[str] | None = None, on_outcome: Callable[[Outcome], None] | None = None,
-        baseline: bool = True, evaluate: bool = True, seq_doc: Doc | None = None) -> list[Outcome]:
-    judge = Judge(seq, dist, registry, seed, evaluate)
+        baseline: bool = True, evaluate: bool = True, seq_doc: Doc | None = None,
+        check_limit: float | None = None) -> list[Outcome]:
+    judge = Judge(seq, dist, registry, seed, evaluate, check_limit)
     out = []
     if baseline:  # the unmutated case: it should refine and be right, or the rest means little
         o = judge.judge(Mutant("none", "-", "-", "the case as given", doc), dist)

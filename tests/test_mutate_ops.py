@@ -446,6 +446,33 @@ def test_a_crash_in_the_check_is_reported_not_raised(monkeypatch: pytest.MonkeyP
     assert (o.verdict, o.kind, o.culprit) == ("crash", "crashed", "RuntimeError: egglog rejected the program")
 
 
+def test_a_check_past_its_cpu_limit_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check that does not end (a prover lost in an e-graph) gives "timeout" once its CPU
+    time is spent; the engines it may have left half-run are dropped, and the next check runs."""
+    import importlib
+
+    from refine.check import _ENGINES, engine_for
+
+    seq, dist, doc, _ = _case(MODELS / "tp_mlp")
+    made = mutate_one(seq, dist, doc, REG, "scale", "fc2", [0])
+    assert made is not None
+    engine_for(REG)
+    assert _ENGINES
+    check_module = importlib.import_module("refine.check")
+    real = check_module.check
+
+    def spin(*a: Any, **k: Any) -> None:
+        while True:
+            pass
+
+    monkeypatch.setattr(check_module, "check", spin)
+    judge = Judge(seq, dist, REG, check_limit=0.5)
+    o = judge.judge(*made)
+    assert (o.verdict, o.kind, o.wrong) == ("timeout", "timeout", True) and not _ENGINES
+    monkeypatch.setattr(check_module, "check", real)
+    assert judge.judge(*made).kind == "caught"
+
+
 # ---------------------------------------------------------------------------------------
 # the sweep
 
@@ -469,4 +496,5 @@ def test_sweep_table_counts_per_operator_and_case() -> None:
     text = table([res, fake])
     assert "| int_cast | 0 | 1 |" in text and "refused" in KINDS
     assert "**crashed** rename a: 'a' renamed 'b\\|c'" in summary([fake])
+    assert "timeout" in KINDS
     assert summary([res]).startswith("# Mutation sweep\n\n4 mutants over 1 cases: caught ")
