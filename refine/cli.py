@@ -226,21 +226,23 @@ def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, m
 def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str, ...], no_eval: bool,
                rules: tuple[str, ...]) -> None:
     """Inject small distributed-training bugs into DIST, check and evaluate each mutant, and
-    print a table. Exit 1 if a numerically wrong mutant REFINES (a soundness failure)."""
+    print a table. Exit 1 if a numerically wrong mutant REFINES (a soundness failure) or the
+    check crashes on one."""
     from collections import Counter
 
     from rich.table import Table
 
-    from refine.mutate import OPERATORS, load_case, run
+    from refine.mutate import ALL_OPERATORS, load_case, read_doc, run
     from refine.opset import load_registry
 
-    unknown = sorted(set(operators) - set(OPERATORS))
+    unknown = sorted(set(operators) - set(ALL_OPERATORS))
     if unknown:
-        _bad_input(f"no such operator: {', '.join(unknown)} (known: {', '.join(OPERATORS)})", "text")
+        _bad_input(f"no such operator: {', '.join(unknown)} (known: {', '.join(ALL_OPERATORS)})", "text")
         return
     try:
         registry = load_registry(rules)
         seq_g, dist_g, doc = load_case(seq, dist, registry)
+        seq_doc = read_doc(seq)
     except LOAD_ERRORS as e:
         _load_error(e, "text")
     console = Console(emoji=False, width=160)
@@ -255,7 +257,8 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
     def show(o: object) -> None:
         console.print(f"{o.kind:10} {o.verdict:16} {o.mutant.name}", highlight=False, markup=False)  # type: ignore[attr-defined]
 
-    outcomes = run(seq_g, dist_g, doc, registry, count, seed, list(operators) or None, show, evaluate=not no_eval)
+    outcomes = run(seq_g, dist_g, doc, registry, count, seed, list(operators) or None, show, evaluate=not no_eval,
+                   seq_doc=seq_doc)
     table = Table(title=f"{len(outcomes)} mutants of {dist} (seed {seed})")
     for col in ("mutant", "verdict", "numerically wrong?", "outcome", "culprit"):
         table.add_column(col)
@@ -264,8 +267,9 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
         table.add_row(o.mutant.name, o.verdict, wrong, o.kind, o.culprit)
     console.print(table)
     counts = Counter(o.kind for o in outcomes)
-    console.print(", ".join(f"{k}: {counts[k]}" for k in ("caught", "neutral", "incomplete", "UNSOUND", "unjudged")))
-    sys.exit(1 if counts["UNSOUND"] else 0)
+    kinds = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "timeout", "unjudged")
+    console.print(", ".join(f"{k}: {counts[k]}" for k in kinds))
+    sys.exit(1 if counts["UNSOUND"] or counts["crashed"] else 0)
 
 
 LOAD_ERRORS = (InputError, FileNotFoundError, ImportError, ValueError)  # a case that cannot be loaded
