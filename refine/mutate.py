@@ -17,7 +17,7 @@ correct case or on top of another bug. A mutant refused at load for its planted 
 (the same edit with a harmless value, its control, loads) is *refused*: fail-closed, sound.
 
 `run` checks every mutant and evaluates it (`refine.evaluate`, both sides in torch with
-simulated collectives on random consistent inputs; program order by `order_deadlock`) and
+simulated collectives on random consistent inputs; program order by `refine.schedule`) and
 sorts it:
 
 - caught: DOES NOT REFINE and numerically wrong;
@@ -65,6 +65,7 @@ from refine.ir import Dist, Graph, Mesh, Relation, TensorType, case_symbols, ten
 from refine.normalize import normalize_attrs
 from refine.opset import Registry, load_registry
 from refine.relate import placed_terms
+from refine.schedule import ScheduleError, deadlock
 
 Doc = dict[str, Any]
 REDUCING = ("all_reduce", "reduce_scatter")
@@ -539,59 +540,6 @@ def _swap_send_recv(reg: Registry, doc: Doc, dist: Dist, r: int, name: str, rng:
     """A send or recv moved before the send/recv of another peer or direction it follows
     (a recv posted before the send its partner waits for: a deadlock)."""
     return _swap_comms(reg, doc, dist, r, name, True, control)
-
-
-def order_deadlock(ranks: dict[int, Graph], registry: Registry) -> str | None:
-    """Where the ranks' communications, each rank running its nodes in order, wait for each
-    other for ever; None when they all finish. A collective completes when every member of
-    its group stands at it (the k-th collective of that group on each: what real process
-    groups do); a send does not wait (buffered), a recv waits for its send. The interpreter
-    (`evaluate.eval_ranks`) runs a collective as soon as every member's input is computed,
-    so a cross-group order deadlock whose inputs are ready early computes there."""
-    progs: dict[int, list[tuple[Any, tuple[Any, ...]]]] = {}
-    for r, g in ranks.items():
-        seen: dict[tuple[Any, ...], int] = {}
-        items = []
-        for n in g.nodes:
-            if registry.ops[n.op].kind != "collective":
-                continue
-            if n.op in P2P:
-                peer = n.attrs["peer"]
-                k: tuple[Any, ...] = ("p2p", r, peer) if n.op == "send" else ("p2p", peer, r)
-            else:
-                k = ("group", tuple(n.attrs["group"]))
-            j = seen.get(k, 0)
-            seen[k] = j + 1
-            items.append((n, (*k, j)))
-        progs[r] = items
-    pos = {r: 0 for r in progs}
-    sent: set[tuple[Any, ...]] = set()
-
-    def head(q: int) -> tuple[Any, tuple[Any, ...]] | None:
-        return progs[q][pos[q]] if q in progs and pos[q] < len(progs[q]) else None
-
-    moved = True
-    while moved:
-        moved = False
-        for r in progs:
-            while (cur := head(r)) is not None:
-                n, key = cur
-                if n.op == "send":
-                    sent.add(key)
-                elif n.op == "recv":
-                    if key not in sent:
-                        break
-                else:
-                    members = key[1]
-                    if not all((h := head(q)) is not None and h[1] == key for q in members):
-                        break
-                    for q in members:
-                        if q != r:
-                            pos[q] += 1
-                pos[r] += 1
-                moved = True
-    stuck = {r: progs[r][pos[r]][0].name for r in progs if pos[r] < len(progs[r])}
-    return f"ranks wait at {stuck}" if stuck else None
 
 
 SWAPS = ("swap_collectives", "swap_send_recv")
@@ -1184,10 +1132,13 @@ class Judge:
         of DRAWS sets of random inputs? One draw can hide a bug: aws_llama's query scaled by
         0.5 changes nothing on the draws of seeds 0 and 1
         but is wrong on seed 3; only mutants equal on the first draw pay for more. Ranks
-        that wait for each other for ever (`order_deadlock`) compute nothing right. With
+        that wait for each other for ever (`refine.schedule.deadlock`) compute nothing right. With
         `fresh` (the relations changed) the inputs are drawn to satisfy the mutant's."""
-        if order_deadlock(dist.ranks, self.registry) is not None:
-            return True, math.inf
+        try:
+            if deadlock(dist.ranks, self.registry):
+                return True, math.inf
+        except ScheduleError:  # not a program (a batch's send reads its own recv): refused at load
+            return None, math.nan
         if not self.evaluate:  # too large to run: the verdict alone is reported
             return None, math.nan
         if self.symbolic:
