@@ -19,6 +19,7 @@ from refine import dims
 from refine.expr import LayoutSyntaxError, parse_layout
 from refine.ir import (
     DTYPES,
+    VALUE_CLASSES,
     Define,
     Dist,
     Expectation,
@@ -30,6 +31,8 @@ from refine.ir import (
     Placement,
     Relation,
     TensorType,
+    narrowing,
+    value_class,
 )
 from refine.normalize import normalize_attrs
 from refine.opset import Op, Registry, ShapeError
@@ -307,6 +310,28 @@ def _read_sizes(c: _Ctx, op: Op, attrs: dict[str, Any], at: str) -> dict[str, An
     return out
 
 
+def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferred: TensorType,
+                   typ: TensorType) -> str | None:
+    """Why a node's dtype misstates its value class, or None. The prover reasons about the
+    values the op computes, so a dtype that narrows them (float to int truncates, to bool
+    binarizes) would change them unseen; a `dtype` attribute (a cast, rules/cast.py) must
+    be the node's. A node without tensor inputs that stores a number (`full`) holds it as
+    its dtype does (refine.normalize.held); a recv holds what its send sent (same dtype)."""
+    declared = value_class(typ.dtype)
+    given = attrs.get("dtype")
+    if given is not None:
+        if value_class(given) != declared:
+            return f"its dtype attribute is {given}, of another value class"
+        return None
+    if not ins and (op.kind == "collective" or any(k.rstrip("?") == "float" for _, k in op.attrs)):
+        return None
+    got = value_class(inferred.dtype)
+    if VALUE_CLASSES.index(declared) < VALUE_CLASSES.index(got):
+        return (f"{op.name} of {', '.join(str(t) for t in ins) or 'no tensors'} gives {inferred.dtype}: a {declared} "
+                f"dtype would change its values ({narrowing(inferred.dtype, typ.dtype)})")
+    return None
+
+
 def _lowerable(op: Op) -> bool:
     return op.core or op.decompose is not None or op.kind in ("identity", "collective")
 
@@ -385,6 +410,9 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                              f"({type(e).__name__}: {e})") from None
         if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
+        problem = _dtype_problem(op, norm, ins, inferred, typ)
+        if problem:
+            raise c.fail(f"{at}.dtype", f"node {name!r} ({op_name}) says dtype {typ.dtype}, but {problem}")
         src = c.get(n, "source", at, str, None)
         g.nodes.append(Node(name, op_name, list(args), attrs, typ, src))
 

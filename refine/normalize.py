@@ -3,17 +3,19 @@
 Each user node either is a core op already (kept, attributes normalised) or decomposes
 through its op's `decompose` into core nodes emitted by a `Builder`. Decomposed nodes keep
 `origin` = the user node, so a bug found in them is reported at the user's node and source
-line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish.
+line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish, unless the node's
+dtype is of a wider value class than its input's: then they are that cast (rules/cast.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from refine.dims import Sym
-from refine.ir import Arg, Graph, Node, TensorType
+from refine.ir import Arg, Graph, Node, TensorType, value_class
 from refine.opset import Op, Registry, ShapeError
 
 
@@ -53,6 +55,8 @@ class Builder:
                 k += 1
                 name = f"{base}{k}"
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
+        if "value" in attrs:  # a number the op stores in its output (a fill): as its dtype holds it
+            attrs["value"] = held(attrs["value"], out.dtype)
         key = None if spec.kind == "collective" else (op, tuple(args), _frozen(attrs), out.dtype)
         if key is not None and key in self.memo:
             return self.memo[key]
@@ -87,11 +91,33 @@ class Builder:
             ref, factor = node.args[0], Fraction(node.attrs["factor"]) * Fraction(factor)  # type: ignore[assignment]
         return ref if factor == 1 else self.emit("Scale", [ref], {"factor": Fraction(factor)})
 
+    def cast(self, ref: str, dtype: str) -> str:
+        """`ref` in `dtype`: itself within one value class, else the op `cast` (rules/cast.py)."""
+        typ = self.type(ref)
+        if value_class(typ.dtype) == value_class(dtype):
+            return ref
+        spec = self.registry.ops["cast"]
+        assert spec.decompose is not None
+        return spec.decompose(self, [ref], {"dtype": dtype}, TensorType(typ.shape, dtype))
+
     def view(self, ref: str, shape: tuple[int, ...]) -> str:
         return ref if self.type(ref).shape == tuple(shape) else self.emit("view", [ref], {"shape": tuple(shape)})
 
     def transpose(self, ref: str, i: int, j: int) -> str:
         return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
+
+
+def held(value: Any, dtype: str) -> Any:
+    """A number as a tensor of `dtype` holds it, as torch converts a fill: an integer dtype
+    truncates toward zero, bool is `value != 0`, a floating one keeps it (real values)."""
+    cls = value_class(dtype)
+    if cls == "float":
+        return value
+    if cls == "bool":
+        return float(value != 0)
+    if not math.isfinite(value):
+        raise ShapeError(f"a tensor of dtype {dtype} cannot hold {value}")
+    return float(math.trunc(value))
 
 
 def _frozen(v: Any) -> Any:
@@ -148,7 +174,9 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
         ins = [core.type_of(a) for a in args if isinstance(a, str)]
         attrs = normalize_attrs(op, n.attrs, ins)
         if op.kind == "identity":
-            rename[n.name] = args[0]  # type: ignore[assignment]
+            # the input's value in the node's dtype: a wider value class is the cast of
+            # rules/cast.py, never an identity (a bool's + is an or); a narrower one is refused
+            rename[n.name] = b.cast(args[0], n.type.dtype)  # type: ignore[arg-type]
             continue
         if op.decompose is not None:
             out = op.decompose(b, args, attrs, n.type)

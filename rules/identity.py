@@ -1,16 +1,22 @@
 """Ops that return their input's value: copies, layout changes, waits on collectives, and
-casts between floating dtypes (refine reasons about real-valued semantics)."""
+casts between floating dtypes (refine reasons about real-valued semantics). Given a `dtype`
+of a wider value class they are that cast (rules/cast.py, lowered by refine.normalize); of
+a narrower one (float to int or bool, int to bool) they would change values and are refused."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType
-from refine.opset import Op
+from refine.ir import TensorType, narrowing
+from refine.opset import Op, ShapeError
 
 
 def _same(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    return TensorType(ins[0].shape, attrs.get("dtype") or ins[0].dtype)
+    dtype = attrs.get("dtype") or ins[0].dtype
+    problem = narrowing(ins[0].dtype, dtype)
+    if problem:
+        raise ShapeError(problem)
+    return TensorType(ins[0].shape, dtype)
 
 
 OPS = [
