@@ -685,6 +685,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             for j, term in enumerate(terms):
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(rel["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(n), registry, want, where, src)
+                _leaf_classes(c, term, lambda r, n: ranks[r].type_of(n), where, f"sequential input {src!r}",
+                              seq_inputs[src].type.dtype)
             guessed = c.get(rel, "guessed", at, bool, False)
             relations.append(Relation(src, layout=terms[0], replicas=tuple(terms[1:]), guessed=guessed, where=at))
             continue
@@ -702,6 +704,9 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"the ranks' pieces of {src!r} ({local!r} placed [{', '.join(map(str, pl))}]) "
                                              f"make shape {list(got)}, but the sequential input has {list(want)}")
+        for r, g in sorted(ranks.items()):
+            _same_class(c, at, f"sequential input {src!r}", seq_inputs[src].type.dtype, f"{local}@{r}",
+                        g.type_of(local).dtype)
         relations.append(Relation(src, local, pl, guessed=guessed, where=at))
 
     expectations: list[Expectation] = []
@@ -722,6 +727,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(ex["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(outs[r][n]), registry, want, where, out,
                               "sequential output")
+                _leaf_classes(c, term, lambda r, n: ranks[r].type_of(outs[r][n]), where, f"sequential output {out!r}",
+                              seq.type_of(seq_outs[out].ref).dtype)
             expectations.append(Expectation(out, layout=tuple(terms), where=at))
             continue
         local = c.name(ex, "local", at, out)
@@ -740,7 +747,18 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"rank output {local!r} placed [{', '.join(map(str, pl))}] makes shape "
                                              f"{list(got)}, but the sequential output {out!r} has {list(want)}")
+        for r, ref in sorted(refs.items()):
+            _same_class(c, at, f"sequential output {out!r}", seq.type_of(seq_outs[out].ref).dtype, f"{local}@{r}",
+                        ranks[r].type_of(ref).dtype)
         expectations.append(Expectation(out, local, pl, where=at, guessed=c.get(ex, "guessed", at, bool, False)))
+    for name, o in seq_outs.items():
+        if name in expected:
+            continue
+        # no expectation: the ranks' outputs of the same name are compared with it (refine.check)
+        for r, g in sorted(ranks.items()):
+            if name in outs[r]:
+                _same_class(c, "$.expectations", f"sequential output {name!r} (no expectation given)",
+                            seq.type_of(o.ref).dtype, f"{name}@{r}", g.type_of(outs[r][name]).dtype)
     dist = Dist(mesh, ranks, relations, expectations, defines)
     if defines:
         _check_defines(c, seq, dist, registry)
@@ -776,6 +794,8 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
         if leaf not in seq_types:
             raise c.fail(f"{at}.as", f"{leaf!r} is not an input of the sequential graph")
     want = ranks[rank].type_of(name)
+    for leaf in sorted(term.leaves()):
+        _same_class(c, f"{at}.as", f"sequential input {leaf!r}", seq_types[leaf].dtype, target, want.dtype)
     if any(not isinstance(d, int) for d in want.shape) or \
             any(not isinstance(d, int) for x in term.leaves() for d in seq_types[x].shape):
         raise c.fail(f"{at}.as", "a define takes concrete shapes only (no symbolic sizes)")
@@ -808,6 +828,22 @@ def _check_defines(c: _Ctx, seq: Graph, dist: Dist, registry: Registry) -> None:
     if bad is not None:
         d, why = bad
         raise c.fail(f"{d.where}.as", f"the define of {d.input}@{d.rank} contradicts the relations: {why}")
+
+
+def _same_class(c: _Ctx, where: str, what: str, want: str, tensor: str, got: str) -> None:
+    """A relation (an expectation, a define) equates values, so both sides hold values of one
+    class; float precisions may differ (bfloat16 ranks of a float32 model)."""
+    if value_class(want) != value_class(got):
+        raise c.fail(where, f"{what} is {want} but rank tensor {tensor} is {got}: a relation equates values of one "
+                            "class (float, int or bool; float precisions may differ)")
+
+
+def _leaf_classes(c: _Ctx, term: Any, type_of: Callable[[int, str], TensorType], where: str, what: str,
+                  want: str) -> None:
+    """Every rank tensor a layout reads holds values of the sequential tensor's class."""
+    for leaf in sorted(term.leaves()):
+        name, _, r = leaf.rpartition("@")
+        _same_class(c, where, what, want, leaf, type_of(int(r), name).dtype)
 
 
 def _once(c: _Ctx, obj: dict[str, Any], key: str, at: str, known: dict[str, Any], seen: dict[str, str],
