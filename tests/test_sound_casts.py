@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from torch import nn
 
+from refine import capture
 from refine.cli import main
 from refine.evaluate import differential, eval_graph
 from refine.format import load_dist, load_seq
@@ -227,3 +229,36 @@ def test_a_recv_of_another_dtype_is_refused(tmp_path: Path, dtype: str) -> None:
     (tmp_path / "dist.json").write_text(json.dumps(d))
     r = _check(tmp_path)
     assert r.exit_code == 2 and "$.ranks[1].graph.nodes[0]" in r.output and dtype in r.output, r.output
+
+
+class _Fill(nn.Module):
+    """x * w plus 2.5, either as a float or as a constant of an integer dtype (which holds 2)."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 4))
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fill = torch.full_like(x, 2.5, dtype=self.dtype) if self.dtype is not None else 2.5
+        return (x * self.w + fill).sum()
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_a_captured_fill_is_held_as_its_dtype_holds_it(dtype: torch.dtype) -> None:
+    """Capture writes torch's fill (2 in an integer dtype, True in bool), and the verdict
+    follows the numbers: a sequential float 2.5 against it does not refine."""
+    x = torch.randn(6, 4)
+    seq = capture.Step(_Fill(None), _step, {"x": x})
+    case = capture(capture.Spec(seq, lambda r: capture.Step(_Fill(dtype), _step, {"x": x}), world_size=1))
+    name = str(dtype).removeprefix("torch.")
+    fills = [n for n in case.dist_doc["ranks"][0]["graph"]["nodes"] if n["op"] == "full" and n["dtype"] == name]
+    assert [n["attrs"]["value"] for n in fills] == [1.0 if dtype == torch.bool else 2.0], fills
+    assert [d.ok for d in differential(case.seq, case.dist, case.registry) if d.output == "loss"] == [False]
+    assert not case.check().refines

@@ -26,8 +26,8 @@ from refine.capture import aten
 from refine.capture.errors import CaptureError
 from refine.capture.trace import Traced, source_of
 from refine.ir import Arg, TensorType
-from refine.normalize import normalize_attrs
-from refine.opset import Registry
+from refine.normalize import held, normalize_attrs
+from refine.opset import Registry, ShapeError
 
 
 @dataclass
@@ -176,6 +176,11 @@ class Emitter:
                 raise self.fail(f"refine op {op!r} gives shape {list(typ.shape)} but torch traced {list(traced)}: "
                                 "the mapping in refine/capture/aten.py is wrong for this use")
             out_dtype = self.dtype(val.dtype)
+        if "value" in attrs:  # a fill, as the output's dtype holds it (an int truncates it; torch does)
+            try:
+                attrs = attrs | {"value": held(float(attrs["value"]), out_dtype)}
+            except ShapeError as e:
+                raise self.fail(str(e)) from None
         node: dict[str, Any] = {"name": name, "op": op, "args": list(args)}
         if attrs:
             node["attrs"] = {k: self.attr_value(v) for k, v in attrs.items()}
