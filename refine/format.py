@@ -327,8 +327,8 @@ def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferre
         return None
     got = value_class(inferred.dtype)
     if VALUE_CLASSES.index(declared) < VALUE_CLASSES.index(got):
-        return (f"{op.name} of {', '.join(str(t) for t in ins) or 'no tensors'} gives {inferred.dtype}: a {declared} "
-                f"dtype would change its values ({narrowing(inferred.dtype, typ.dtype)})")
+        return f"{op.name} of {', '.join(map(str, ins)) or 'no tensors'} gives {inferred.dtype}, and " + \
+            str(narrowing(inferred.dtype, typ.dtype))
     return None
 
 

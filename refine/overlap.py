@@ -45,7 +45,8 @@ class Read:
 
 
 def reads(t: Term, shape_of: Callable[[Term], tuple[Any, ...]], claim: int = 0, term: int = 0) -> list[Read]:
-    """Every rank tensor region term `t` reads, with where it puts it."""
+    """Every rank tensor region term `t` reads, with where it puts it. ValueError when the
+    term does not let the sequential tensor take every value (a scale by 0)."""
     shape = shape_of(t)
     out: list[Read] = []
     _walk(t, tuple((0, s) for s in shape), tuple((d, 0) for d in range(len(shape))), shape_of, claim, term, out)
@@ -81,7 +82,10 @@ def _walk(t: Term, box: Box, place: Map, shape_of: Callable[[Term], tuple[Any, .
         _walk(t.args[0], sub, _path(place, t, 0) if opaque else _swap(place, i, j), shape_of, claim, term, out)
         return
     if t.op in NARY or t.op == "Scale":
-        # each term of a sum (a partial placement) puts its elements where the sum does
+        # each term of a sum (a partial placement) puts its elements where the sum does; a
+        # scale by 0 reads nothing, so the sequential tensor would have to be zero there
+        if t.op == "Scale" and t.attrs[0] == 0:
+            raise ValueError("a scale by 0 makes the sequential tensor zero whatever the ranks hold")
         for a in t.args:
             _walk(a, box, place, shape_of, claim, term, out)
         return

@@ -260,9 +260,12 @@ def _disjoint_claims(claims: list[tuple[Relation, list[Term]]], prog: DistProgra
         return shapes[t]
 
     found: list[Read] = []
-    for i, (_, terms) in enumerate(claims):
+    for i, (rel, terms) in enumerate(claims):
         for j, t in enumerate(terms):
-            found += reads(t, shape_of, i, j)
+            try:
+                found += reads(t, shape_of, i, j)
+            except ValueError as e:
+                raise InputError(file, rel.where or "$.relations", f"the relation for {rel.source!r}: {e}") from None
     hit = conflict(found)
     if hit is None:
         return

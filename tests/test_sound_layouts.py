@@ -189,3 +189,10 @@ def test_symbolic_offsets_of_a_concat(tmp_path: Path) -> None:
            {"from": "c", "layout": "cat(u@1, slice(w@0, 0, 0, 2), dim=0)"}]
     write(tmp_path, g({"a": [4, 6], "b": ["S", 6], "c": ["S+2", 6]}, "a"), [rank, rank], rel, symbols=S)
     refused(tmp_path, "$.relations[2]", "w@0[0:2, 0:6]", "w@0[0:S, 0:6]", "'b'", "'c'")
+
+
+def test_a_scale_by_zero_is_refused(tmp_path: Path) -> None:
+    """x = 0 * w@0 would hold only for a zero x."""
+    one_layout(tmp_path, "scale(w@0, 0)", [4, 6], [4, 6])
+    r = check(tmp_path)
+    assert r.exit_code == 2 and "dist.json: $.relations[0]:" in r.output and "scale by 0" in r.output, r.output
