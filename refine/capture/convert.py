@@ -151,7 +151,8 @@ class Emitter:
         if spec is None:
             raise self.fail(f"refine has no op {op!r}")
         known = spec.attr_kinds()
-        attrs = {k: v for k, v in attrs.items() if v is not None}
+        # a dtype by its refine name: shape rules read it (arange's dtype is its value class)
+        attrs = {k: self.dtype(v) if isinstance(v, torch.dtype) else v for k, v in attrs.items() if v is not None}
         for k in attrs:
             if k not in known:
                 raise self.fail(f"refine op {op!r} has no attribute {k!r} (it has: {', '.join(known) or 'none'})")
