@@ -3,8 +3,8 @@
 Each user node either is a core op already (kept, attributes normalised) or decomposes
 through its op's `decompose` into core nodes emitted by a `Builder`. Decomposed nodes keep
 `origin` = the user node, so a bug found in them is reported at the user's node and source
-line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish, unless the node's
-dtype is of a wider value class than its input's: then they are that cast (rules/cast.py).
+line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish, unless they make
+a bool a number (`cast_float_t`, rules/cast.py); one that narrows the value class is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from refine.dims import Sym
-from refine.ir import Arg, Graph, Node, TensorType, value_class
+from refine.ir import Arg, Graph, Node, TensorType, narrowing, value_class
 from refine.opset import Op, Registry, ShapeError
 
 
@@ -92,13 +92,17 @@ class Builder:
         return ref if factor == 1 else self.emit("Scale", [ref], {"factor": Fraction(factor)})
 
     def cast(self, ref: str, dtype: str) -> str:
-        """`ref` in `dtype`: itself within one value class, else the op `cast` (rules/cast.py)."""
+        """`ref` in `dtype`. refine's values are real numbers, so another precision, or an
+        integer as a floating dtype, is the same tensor; a bool as a number is `cast_float_t`
+        (rules/cast.py: never an identity, a bool's + is an or). A narrower class would change
+        values: the loader refuses it first."""
         typ = self.type(ref)
-        if value_class(typ.dtype) == value_class(dtype):
-            return ref
-        spec = self.registry.ops["cast"]
-        assert spec.decompose is not None
-        return spec.decompose(self, [ref], {"dtype": dtype}, TensorType(typ.shape, dtype))
+        problem = narrowing(typ.dtype, dtype)
+        if problem:
+            raise ShapeError(problem)
+        if value_class(typ.dtype) == "bool" and value_class(dtype) != "bool":
+            return self.emit("cast_float_t", [ref], {}, TensorType(typ.shape, dtype))
+        return ref
 
     def view(self, ref: str, shape: tuple[int, ...]) -> str:
         return ref if self.type(ref).shape == tuple(shape) else self.emit("view", [ref], {"shape": tuple(shape)})
@@ -174,8 +178,8 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
         ins = [core.type_of(a) for a in args if isinstance(a, str)]
         attrs = normalize_attrs(op, n.attrs, ins)
         if op.kind == "identity":
-            # the input's value in the node's dtype: a wider value class is the cast of
-            # rules/cast.py, never an identity (a bool's + is an or); a narrower one is refused
+            # the input's value in the node's dtype (Builder.cast): never a bool taken as a
+            # number unseen (a bool's + is an or), never a narrowing
             rename[n.name] = b.cast(args[0], n.type.dtype)  # type: ignore[arg-type]
             continue
         if op.decompose is not None:

@@ -1,7 +1,8 @@
 """Ops that return their input's value: copies, layout changes, waits on collectives, and
-casts between floating dtypes (refine reasons about real-valued semantics). Given a `dtype`
-of a wider value class they are that cast (rules/cast.py, lowered by refine.normalize); of
-a narrower one (float to int or bool, int to bool) they would change values and are refused."""
+casts between floating dtypes (refine reasons about real-valued semantics), and from an
+integer dtype to a floating one (the same real values). A bool given a numeric dtype becomes
+`cast_float_t` (rules/cast.py, by refine.normalize.Builder.cast); a narrower dtype (float to
+int or bool, int to bool) would change values and is refused."""
 
 from __future__ import annotations
 
