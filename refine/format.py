@@ -311,12 +311,13 @@ def _read_sizes(c: _Ctx, op: Op, attrs: dict[str, Any], at: str) -> dict[str, An
 
 
 def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferred: TensorType,
-                   typ: TensorType) -> str | None:
+                   typ: TensorType, args: list[Any]) -> str | None:
     """Why a node's dtype misstates its value class, or None. The prover reasons about the
     values the op computes, so a dtype that narrows them (float to int truncates, to bool
     binarizes) would change them unseen; a `dtype` attribute (a cast, rules/cast.py) must
-    be the node's. A node without tensor inputs that stores a number (`full`) holds it as
-    its dtype does (refine.normalize.held); a recv holds what its send sent (same dtype)."""
+    be the node's. A number literal takes part as torch promotes it (an int tensor times
+    0.5 is a float one). A node without tensor inputs that stores a number (`full`) holds it
+    as its dtype does (refine.normalize.held); a recv holds what its send sent (same dtype)."""
     declared = value_class(typ.dtype)
     given = attrs.get("dtype")
     if given is not None:
@@ -326,6 +327,12 @@ def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferre
     if not ins and (op.kind == "collective" or any(k.rstrip("?") == "float" for _, k in op.attrs)):
         return None
     got = value_class(inferred.dtype)
+    for a in args:
+        if isinstance(a, str):
+            continue
+        lit = "bool" if isinstance(a, bool) else "int" if float(a).is_integer() else "float"
+        if VALUE_CLASSES.index(lit) > VALUE_CLASSES.index(got):
+            got, inferred = lit, TensorType(inferred.shape, {"int": "int64", "float": "float32"}[lit])
     if VALUE_CLASSES.index(declared) < VALUE_CLASSES.index(got):
         return f"{op.name} of {', '.join(map(str, ins)) or 'no tensors'} gives {inferred.dtype}, and " + \
             str(narrowing(inferred.dtype, typ.dtype))
@@ -410,7 +417,7 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                              f"({type(e).__name__}: {e})") from None
         if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
-        problem = _dtype_problem(op, norm, ins, inferred, typ)
+        problem = _dtype_problem(op, norm, ins, inferred, typ, args)
         if problem:
             raise c.fail(f"{at}.dtype", f"node {name!r} ({op_name}) says dtype {typ.dtype}, but {problem}")
         src = c.get(n, "source", at, str, None)

@@ -262,3 +262,18 @@ def test_a_captured_fill_is_held_as_its_dtype_holds_it(dtype: torch.dtype) -> No
     assert [n["attrs"]["value"] for n in fills] == [1.0 if dtype == torch.bool else 2.0], fills
     assert [d.ok for d in differential(case.seq, case.dist, case.registry) if d.output == "loss"] == [False]
     assert not case.check().refines
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "bool"])
+def test_a_fractional_literal_promotes(tmp_path: Path, dtype: str) -> None:
+    """An integer (or bool) tensor times 0.5 is a float tensor in torch; declared integer,
+    the evaluator truncates it and the prover would not: refused at the node."""
+    inputs = [("i", dtype), ("x", "float32")]
+    rank = [n("h", "mul", ["i", 0.5], dtype), n("z", "add", ["x", "h"])]
+    seq = [n("h", "mul", ["i", 0.5]), n("z", "add", ["x", "h"])]
+    write(tmp_path, seq, rank, inputs)
+    assert values_differ(seq, rank, inputs)
+    r = _check(tmp_path)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "$.ranks[0].graph.nodes[0].dtype" in text and "'h' (mul)" in text, text
+    assert "gives float32" in text and dtype in text, text
