@@ -326,17 +326,24 @@ def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferre
         return None
     if not ins and (op.kind == "collective" or any(k.rstrip("?") == "float" for _, k in op.attrs)):
         return None
+    if len(ins) != len(args):
+        # as torch types the op: each number literal a rank-0 tensor of its class (0.5 a
+        # float; 2 and 2.0 an int, which an integer tensor holds exactly)
+        tensors = iter(ins)
+        typed = [next(tensors) if isinstance(x, str) else TensorType((), _literal_dtype(x)) for x in args]
+        try:
+            inferred = op.shape(typed, attrs)
+        except Exception:  # noqa: BLE001 - a rule that takes no tensor there: the tensors' type stands
+            pass
     got = value_class(inferred.dtype)
-    for a in args:
-        if isinstance(a, str):
-            continue
-        lit = "bool" if isinstance(a, bool) else "int" if float(a).is_integer() else "float"
-        if VALUE_CLASSES.index(lit) > VALUE_CLASSES.index(got):
-            got, inferred = lit, TensorType(inferred.shape, {"int": "int64", "float": "float32"}[lit])
     if VALUE_CLASSES.index(declared) < VALUE_CLASSES.index(got):
         return f"{op.name} of {', '.join(map(str, ins)) or 'no tensors'} gives {inferred.dtype}, and " + \
             str(narrowing(inferred.dtype, typ.dtype))
     return None
+
+
+def _literal_dtype(x: Any) -> str:
+    return "bool" if isinstance(x, bool) else "int64" if float(x).is_integer() else "float32"
 
 
 def _lowerable(op: Op) -> bool:

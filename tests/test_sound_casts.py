@@ -277,3 +277,26 @@ def test_a_fractional_literal_promotes(tmp_path: Path, dtype: str) -> None:
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "$.ranks[0].graph.nodes[0].dtype" in text and "'h' (mul)" in text, text
     assert "gives float32" in text and dtype in text, text
+
+
+@pytest.mark.parametrize("op,args,dtype", [
+    ("exp", ["i"], "int64"),  # torch.exp of an int64 tensor is float32
+    ("sqrt", ["i"], "int32"),
+    ("div", ["i", "j"], "int64"),  # true division
+    ("div", ["i", 2], "int64"),
+    ("add", ["i", "x"], "int64"),  # int with float promotes to float
+    ("mul", ["m", "x"], "bool"),
+    ("add", ["m", "i"], "bool"),  # bool with int promotes to int
+])
+def test_a_node_dtype_narrower_than_torch_gives_is_refused(tmp_path: Path, op: str, args: list[Any],
+                                                          dtype: str) -> None:
+    """The node's dtype is what torch makes of its inputs' classes; a narrower one truncates
+    in the evaluator and not in the prover."""
+    inputs = [("i", "int64"), ("j", "int64"), ("m", "bool"), ("x", "float32")]
+    rank = [n("h", op, args, dtype), n("z", "add", ["x", "h"])]
+    seq = [n("h", op, args, "int64" if dtype == "bool" and op == "add" else "float32"), n("z", "add", ["x", "h"])]
+    write(tmp_path, seq, rank, inputs)
+    assert values_differ(seq, rank, inputs)
+    r = _check(tmp_path)
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "$.ranks[0].graph.nodes[0].dtype" in text and f"'h' ({op})" in text, text
