@@ -77,9 +77,18 @@ def _lower_elementwise(core: str):
     return decompose
 
 
+def _is_bool(b: Builder, a: Arg) -> bool:
+    return isinstance(a, bool) or (isinstance(a, str) and b.type(a).dtype == "bool")
+
+
 def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
     alpha = Fraction(attrs.get("alpha", 1))
+    if _is_bool(b, x) and _is_bool(b, y):
+        # two bools add to their logical or (torch: True + True is True), never to a count
+        if alpha != 1:
+            raise ShapeError(f"{'a difference' if alpha == -1 else 'a scaled sum'} of bool tensors: torch refuses it")
+        return _lower_logical("logical_or_t")(b, [x, y], {}, out)
     terms = []
     for a, f in ((x, Fraction(1)), (y, alpha)):
         if _constant(b, a) == 0:
@@ -107,6 +116,8 @@ def _rsub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
 
 
 def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    if _is_bool(b, args[0]):
+        raise ShapeError("the negation of a bool tensor: torch refuses it")
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
 
 

@@ -300,3 +300,22 @@ def test_a_node_dtype_narrower_than_torch_gives_is_refused(tmp_path: Path, op: s
     r = _check(tmp_path)
     text = " ".join(r.output.split())
     assert r.exit_code == 2 and "$.ranks[0].graph.nodes[0].dtype" in text and f"'h' ({op})" in text, text
+
+
+def test_a_sum_of_bools_is_their_or(tmp_path: Path) -> None:
+    """torch adds two bools to their logical or (True + True is True), so m + m is m, not
+    2 * m: as numbers the two differ, and the verdict must say so."""
+    inputs = [("m", "bool"), ("x", "float32")]
+    seq = [n("h", "add", ["m", "m"], "bool"), n("c", "cast", ["h"], dtype="float32"), n("z", "add", ["x", "c"])]
+    rank = [n("h", "mul", ["m", 2], "int64"), n("c", "cast", ["h"], dtype="float32"), n("z", "add", ["x", "c"])]
+    write(tmp_path, seq, rank, inputs)
+    assert values_differ(seq, rank, inputs)
+    r = _check(tmp_path)
+    assert r.exit_code in (1, 3), r.output
+    # and an or is an or: the ranks' logical_or of the same masks refines
+    rank = [n("h", "logical_or", ["m", "m"], "bool"), n("c", "cast", ["h"], dtype="float32"),
+            n("z", "add", ["x", "c"])]
+    write(tmp_path, seq, rank, inputs)
+    assert not values_differ(seq, rank, inputs)
+    r = _check(tmp_path)
+    assert r.exit_code == 0, r.output
