@@ -40,7 +40,7 @@ def _same_shape(dtype: str | None = None):
     def shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         if len({t.shape for t in ins}) != 1:
             raise ShapeError(f"operands must have one shape, got {[list(t.shape) for t in ins]}")
-        return TensorType(ins[0].shape, dtype or _widest(ins))
+        return TensorType(ins[0].shape, dtype or ins[-1].dtype)
 
     return shape
 
