@@ -31,6 +31,7 @@ from refine import dims
 from refine.expr import LayoutSyntaxError, parse_layout
 from refine.ir import (
     DTYPES,
+    VALUE_CLASSES,
     Define,
     Dist,
     Expectation,
@@ -42,6 +43,8 @@ from refine.ir import (
     Placement,
     Relation,
     TensorType,
+    narrowing,
+    value_class,
 )
 from refine.normalize import normalize_attrs
 from refine.opset import Op, Registry, ShapeError
@@ -396,6 +399,42 @@ def _read_sizes(c: _Ctx, op: Op, attrs: dict[str, Any], at: str) -> dict[str, An
     return out
 
 
+def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferred: TensorType,
+                   typ: TensorType, args: list[Any]) -> str | None:
+    """Why a node's dtype misstates its value class, or None. The prover reasons about the
+    values the op computes, so a dtype that narrows them (float to int truncates, to bool
+    binarizes) would change them unseen; a `dtype` attribute (a cast, rules/cast.py) must
+    be the node's. A number literal takes part as torch promotes it (an int tensor times
+    0.5 is a float one). A node without tensor inputs that stores a number (`full`) holds it
+    as its dtype does (refine.normalize.held); a recv holds what its send sent (same dtype)."""
+    declared = value_class(typ.dtype)
+    given = attrs.get("dtype")
+    if given is not None:
+        if value_class(given) != declared:
+            return f"its dtype attribute is {given}, of another value class"
+        return None
+    if not ins and (op.kind == "collective" or any(k.rstrip("?") == "float" for _, k in op.attrs)):
+        return None
+    if len(ins) != len(args):
+        # as torch types the op: each number literal a rank-0 tensor of its class (0.5 a
+        # float; 2 and 2.0 an int, which an integer tensor holds exactly)
+        tensors = iter(ins)
+        typed = [next(tensors) if isinstance(x, str) else TensorType((), _literal_dtype(x)) for x in args]
+        try:
+            inferred = op.shape(typed, attrs)
+        except Exception:  # noqa: BLE001 - a rule that takes no tensor there: the tensors' type stands
+            pass
+    got = value_class(inferred.dtype)
+    if VALUE_CLASSES.index(declared) < VALUE_CLASSES.index(got):
+        return f"{op.name} of {', '.join(map(str, ins)) or 'no tensors'} gives {inferred.dtype}, and " + \
+            str(narrowing(inferred.dtype, typ.dtype))
+    return None
+
+
+def _literal_dtype(x: Any) -> str:
+    return "bool" if isinstance(x, bool) else "int64" if float(x).is_integer() else "float32"
+
+
 def _lowerable(op: Op) -> bool:
     return op.core or op.decompose is not None or op.kind in ("identity", "collective")
 
@@ -476,6 +515,9 @@ def load_graph(c: _Ctx, obj: Any, where: str, registry: Registry) -> Graph:
                              f"({type(e).__name__}: {e})") from None
         if tuple(inferred.shape) != typ.shape:
             raise c.fail(f"{at}.shape", f"node {name!r} ({op_name}) has shape {list(typ.shape)} but its inputs give {list(inferred.shape)}")
+        problem = _dtype_problem(op, norm, ins, inferred, typ, args)
+        if problem:
+            raise c.fail(f"{at}.dtype", f"node {name!r} ({op_name}) says dtype {typ.dtype}, but {problem}")
         src = c.get(n, "source", at, str, None)
         g.add(Node(name, op_name, list(args), attrs, typ, src))
 
@@ -777,6 +819,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
             for j, term in enumerate(terms):
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(rel["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(n), registry, want, where, src)
+                _leaf_classes(c, term, lambda r, n: ranks[r].type_of(n), where, f"sequential input {src!r}",
+                              seq_inputs[src].type.dtype)
             guessed = c.get(rel, "guessed", at, bool, False)
             relations.append(Relation(src, layout=terms[0], replicas=tuple(terms[1:]), guessed=guessed, where=at))
             continue
@@ -794,6 +838,9 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"the ranks' pieces of {src!r} ({local!r} placed [{', '.join(map(str, pl))}]) "
                                              f"make shape {list(got)}, but the sequential input has {list(want)}")
+        for r, g in sorted(ranks.items()):
+            _same_class(c, at, f"sequential input {src!r}", seq_inputs[src].type.dtype, f"{local}@{r}",
+                        g.type_of(local).dtype)
         relations.append(Relation(src, local, pl, guessed=guessed, where=at))
 
     expectations: list[Expectation] = []
@@ -814,6 +861,8 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
                 where = f"{at}.layout" + (f"[{j}]" if isinstance(ex["layout"], list) else "")
                 _layout_shape(c, term, lambda r, n: ranks[r].type_of(outs[r][n]), registry, want, where, out,
                               "sequential output")
+                _leaf_classes(c, term, lambda r, n: ranks[r].type_of(outs[r][n]), where, f"sequential output {out!r}",
+                              seq.type_of(seq_outs[out].ref).dtype)
             expectations.append(Expectation(out, layout=tuple(terms), where=at))
             continue
         local = c.name(ex, "local", at, out)
@@ -831,7 +880,18 @@ def load_dist(path: str | Path, registry: Registry, seq: Graph) -> Dist:
         if got != want:
             raise c.fail(f"{at}.placements", f"rank output {local!r} placed [{', '.join(map(str, pl))}] makes shape "
                                              f"{list(got)}, but the sequential output {out!r} has {list(want)}")
+        for r, ref in sorted(refs.items()):
+            _same_class(c, at, f"sequential output {out!r}", seq.type_of(seq_outs[out].ref).dtype, f"{local}@{r}",
+                        ranks[r].type_of(ref).dtype)
         expectations.append(Expectation(out, local, pl, where=at, guessed=c.get(ex, "guessed", at, bool, False)))
+    for name, o in seq_outs.items():
+        if name in expected:
+            continue
+        # no expectation: the ranks' outputs of the same name are compared with it (refine.check)
+        for r, g in sorted(ranks.items()):
+            if name in outs[r]:
+                _same_class(c, "$.expectations", f"sequential output {name!r} (no expectation given)",
+                            seq.type_of(o.ref).dtype, f"{name}@{r}", g.type_of(outs[r][name]).dtype)
     dist = Dist(mesh, ranks, relations, expectations, defines)
     if defines:
         _check_defines(c, seq, dist, registry)
@@ -867,6 +927,8 @@ def _define(c: _Ctx, rel: dict[str, Any], at: str, ranks: dict[int, Graph], seq:
         if leaf not in seq_types:
             raise c.fail(f"{at}.as", f"{leaf!r} is not an input of the sequential graph")
     want = ranks[rank].type_of(name)
+    for leaf in sorted(term.leaves()):
+        _same_class(c, f"{at}.as", f"sequential input {leaf!r}", seq_types[leaf].dtype, target, want.dtype)
     if any(not isinstance(d, int) for d in want.shape) or \
             any(not isinstance(d, int) for x in term.leaves() for d in seq_types[x].shape):
         raise c.fail(f"{at}.as", "a define takes concrete shapes only (no symbolic sizes)")
@@ -899,6 +961,22 @@ def _check_defines(c: _Ctx, seq: Graph, dist: Dist, registry: Registry) -> None:
     if bad is not None:
         d, why = bad
         raise c.fail(f"{d.where}.as", f"the define of {d.input}@{d.rank} contradicts the relations: {why}")
+
+
+def _same_class(c: _Ctx, where: str, what: str, want: str, tensor: str, got: str) -> None:
+    """A relation (an expectation, a define) equates values, so both sides hold values of one
+    class; float precisions may differ (bfloat16 ranks of a float32 model)."""
+    if value_class(want) != value_class(got):
+        raise c.fail(where, f"{what} is {want} but rank tensor {tensor} is {got}: a relation equates values of one "
+                            "class (float, int or bool; float precisions may differ)")
+
+
+def _leaf_classes(c: _Ctx, term: Any, type_of: Callable[[int, str], TensorType], where: str, what: str,
+                  want: str) -> None:
+    """Every rank tensor a layout reads holds values of the sequential tensor's class."""
+    for leaf in sorted(term.leaves()):
+        name, _, r = leaf.rpartition("@")
+        _same_class(c, where, what, want, leaf, type_of(int(r), name).dtype)
 
 
 def _once(c: _Ctx, obj: dict[str, Any], key: str, at: str, known: dict[str, Any], seen: dict[str, str],

@@ -18,6 +18,24 @@ Shape = tuple[Any, ...]  # each dim an int, or a refine.dims.Sym when the graph 
 Arg = str | float | int | bool  # a str is a reference to an input or node of the same graph
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8")
+VALUE_CLASSES = ("bool", "int", "float")  # narrowest first: each holds the values of the ones before it
+
+
+def value_class(dtype: str) -> str:
+    """What values a dtype holds: "bool", "int" or "float". refine reasons about real values, so
+    dtypes of one class are one type (bfloat16 is float32); a change of class is a cast."""
+    if dtype == "bool":
+        return "bool"
+    return "int" if dtype.startswith(("int", "uint")) else "float"
+
+
+def narrowing(src: str, dst: str) -> str | None:
+    """Why a cast from dtype `src` to `dst` changes values (it narrows the value class), or None."""
+    if VALUE_CLASSES.index(value_class(dst)) >= VALUE_CLASSES.index(value_class(src)):
+        return None
+    how = "binarizes (x != 0)" if value_class(dst) == "bool" else "truncates toward zero"
+    return (f"a cast from {src} to {dst} changes values (it {how}): refine supports casts within one dtype class "
+            "and from bool or integer to a wider class (bool to integer, either to floating point)")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Each user node either is a core op already (kept, attributes normalised) or decomposes
 through its op's `decompose` into core nodes emitted by a `Builder`. Decomposed nodes keep
 `origin` = the user node, so a bug found in them is reported at the user's node and source
-line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish.
+line. Identity-like ops (clone, wait_tensor, ...) become aliases and vanish, unless they make
+a bool a number (`cast_float_t`, rules/cast.py); one that narrows the value class is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fractions import Fraction
 from typing import Any
 
 from refine.dims import Sym
-from refine.ir import Arg, Graph, Node, TensorType
+from refine.ir import Arg, Graph, Node, TensorType, narrowing, value_class
 from refine.opset import Op, Registry, ShapeError
 
 
@@ -57,6 +58,8 @@ class Builder:
                 name = f"{base}{k}"
             self.numbered[base] = k
         out = TensorType(inferred.shape, type.dtype if type else inferred.dtype)
+        if "value" in attrs:  # a number the op stores in its output (a fill): as its dtype holds it
+            attrs["value"] = held(attrs["value"], out.dtype)
         key = None if spec.kind == "collective" else (op, tuple(args), _frozen(attrs), out.dtype)
         if key is not None and key in self.memo:
             return self.memo[key]
@@ -88,6 +91,19 @@ class Builder:
             ref, factor = node.args[0], Fraction(node.attrs["factor"]) * Fraction(factor)  # type: ignore[assignment]
         return ref if factor == 1 else self.emit("Scale", [ref], {"factor": Fraction(factor)})
 
+    def cast(self, ref: str, dtype: str) -> str:
+        """`ref` in `dtype`. refine's values are real numbers, so another precision, or an
+        integer as a floating dtype, is the same tensor; a bool as a number is `cast_float_t`
+        (rules/cast.py: never an identity, a bool's + is an or). A narrower class would change
+        values: the loader refuses it first."""
+        typ = self.type(ref)
+        problem = narrowing(typ.dtype, dtype)
+        if problem:
+            raise ShapeError(problem)
+        if value_class(typ.dtype) == "bool" and value_class(dtype) != "bool":
+            return self.emit("cast_float_t", [ref], {}, TensorType(typ.shape, dtype))
+        return ref
+
     def view(self, ref: str, shape: tuple[int, ...]) -> str:
         return ref if self.type(ref).shape == tuple(shape) else self.emit("view", [ref], {"shape": tuple(shape)})
 
@@ -100,6 +116,19 @@ def rational(v: Any, what: str) -> Fraction:
     if isinstance(v, float) and not math.isfinite(v):
         raise ShapeError(f"{what} {v} is not a finite number: refine scales by exact rationals")
     return Fraction(v)
+
+
+def held(value: Any, dtype: str) -> Any:
+    """A number as a tensor of `dtype` holds it, as torch converts a fill: an integer dtype
+    truncates toward zero, bool is `value != 0`, a floating one keeps it (real values)."""
+    cls = value_class(dtype)
+    if cls == "float":
+        return value
+    if cls == "bool":
+        return float(value != 0)
+    if not math.isfinite(value):
+        raise ShapeError(f"a tensor of dtype {dtype} cannot hold {value}")
+    return float(math.trunc(value))
 
 
 def _frozen(v: Any) -> Any:
@@ -156,7 +185,9 @@ def lower(graph: Graph, registry: Registry) -> tuple[Graph, dict[str, str]]:
         ins = [core.type_of(a) for a in args if isinstance(a, str)]
         attrs = normalize_attrs(op, n.attrs, ins)
         if op.kind == "identity":
-            rename[n.name] = args[0]  # type: ignore[assignment]
+            # the input's value in the node's dtype (Builder.cast): never a bool taken as a
+            # number unseen (a bool's + is an or), never a narrowing
+            rename[n.name] = b.cast(args[0], n.type.dtype)  # type: ignore[arg-type]
             continue
         if op.decompose is not None:
             try:

@@ -12,12 +12,24 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from refine.expr import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
 from refine.format import InputError
-from refine.ir import Dist, Graph, Mesh, Node, Placement, Relation, TensorType, tensor_name
+from refine.ir import (
+    Dist,
+    Graph,
+    Mesh,
+    Node,
+    Placement,
+    Relation,
+    TensorType,
+    tensor_name,
+    value_class,
+)
 from refine.normalize import lower
 from refine.opset import Registry, ShapeError
+from refine.overlap import Read, conflict, reads, show_box
 from refine.replica import join_replicas
 
 
@@ -187,11 +199,13 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
                         file: str) -> dict[str, Term]:
     """Each sequential input as a term over rank inputs; replicas join `prog.same`."""
     out: dict[str, Term] = {}
+    claims: list[tuple[Relation, list[Term]]] = []  # each relation's terms, all equal to its input
     for rel in dist.relations:
         if rel.source in out:
             raise InputError(file, rel.where, f"a second relation for sequential input {rel.source!r}")
         if rel.layout is not None:
             term = rel.layout
+            claims.append((rel, [term, *rel.replicas]))
             for t in (term, *rel.replicas):
                 _check_shape(t, seq.type_of(rel.source), prog, registry, file, rel)
             for t in rel.replicas:  # copies of the same tensor (a pipeline's tied weight on two stages)
@@ -200,8 +214,10 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
             # every replica must make the sequential input, not only the first one
             assert rel.placements is not None and rel.local is not None
             local = rel.local
-            for t in placed_terms(lambda r, local=local: tensor_name(r, local), rel.placements, dist.mesh):
+            placed = placed_terms(lambda r, local=local: tensor_name(r, local), rel.placements, dist.mesh)
+            for t in placed:
                 _check_shape(t, seq.type_of(rel.source), prog, registry, file, rel)
+            claims.append((rel, placed))
             term = _placed(rel, dist.mesh, prog)
         out[rel.source] = term
     for inp in seq.inputs:
@@ -211,10 +227,18 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
         guess = Relation(inp.name, inp.name, tuple(Placement("replicate") for _ in dist.mesh.axes), guessed=True)
         if all(tensor_name(r, inp.name) in prog.types and prog.types[tensor_name(r, inp.name)].shape == inp.type.shape
                for r in dist.ranks):
+            for r in sorted(dist.ranks):
+                got = prog.types[tensor_name(r, inp.name)].dtype
+                if value_class(got) != value_class(inp.type.dtype):
+                    raise InputError(file, "$.relations", f"no relation for sequential input {inp.name!r}, which is "
+                                     f"{inp.type.dtype}, and rank tensor {tensor_name(r, inp.name)} of that name is "
+                                     f"{got}: a relation equates values of one class (float, int or bool)")
             out[inp.name] = _placed(guess, dist.mesh, prog)
             dist.relations.append(guess)
+            claims.append((guess, placed_terms(lambda r, x=inp.name: tensor_name(r, x), guess.placements, dist.mesh)))
         else:
             raise InputError(file, "$.relations", f"no relation for sequential input {inp.name!r}, and no rank input of that name and shape")
+    _disjoint_claims(claims, prog, registry, file)
     for d in dist.defines:
         # the defined rank input equals its define over the sequential inputs' relations: a
         # fact (refine.replica's kind), told to every step whose e-graph names one of its
@@ -222,6 +246,52 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
         prog.add_fact(leaf(tensor_name(d.rank, d.input)), _structural(_substitute(d.term, out), prog, registry))
     join_congruent(prog)
     return out
+
+
+def _disjoint_claims(claims: list[tuple[Relation, list[Term]]], prog: DistProgram, registry: Registry,
+                     file: str) -> None:
+    """No rank element stands for two sequential elements (refine.overlap): relations that
+    read one twice would hold only for sequential inputs equal there."""
+    shapes: dict[Term, tuple[Any, ...]] = {}
+
+    def shape_of(t: Term) -> tuple[Any, ...]:
+        if t not in shapes:
+            shapes[t] = term_type(t, prog, registry).shape
+        return shapes[t]
+
+    found: list[Read] = []
+    for i, (rel, terms) in enumerate(claims):
+        for j, t in enumerate(terms):
+            try:
+                found += reads(t, shape_of, i, j)
+            except ValueError as e:
+                raise InputError(file, rel.where or "$.relations", f"the relation for {rel.source!r}: {e}") from None
+    hit = conflict(found)
+    if hit is None:
+        return
+    a, b = sorted(hit, key=lambda r: (r.claim, r.term))
+    ra, rb = claims[a.claim][0], claims[b.claim][0]
+
+    def named(rel: Relation) -> str:
+        at = f"at {rel.where}" if rel.where else "(guessed from the name: no relation names it)"
+        return f"the relation for {rel.source!r} {at}"
+
+    def part(r: Read) -> str:
+        return "its first term" if r.term == 0 else f"its replica {r.term}"
+
+    if ra is not rb:
+        stands = f"elements of both {ra.source!r} and {rb.source!r}"
+        why = f"{named(rb)} reads {show_box(b)}, and {named(ra)} reads {show_box(a)}"
+    elif a.term == b.term:
+        stands = f"two elements of {rb.source!r}"
+        why = f"{named(rb)} reads {show_box(a)} and again {show_box(b)}"
+    else:
+        stands = f"two elements of {rb.source!r}"
+        why = f"{named(rb)} reads {show_box(a)} in {part(a)} and {show_box(b)} in {part(b)}, at another place"
+    raise InputError(file, rb.where or "$.relations",
+                     f"{why}: they overlap, so one rank element would stand for {stands}, and a verdict would hold "
+                     "only for inputs equal there. A rank element may be read for one sequential element only "
+                     "(replicas at the same place, and defines, may repeat it)")
 
 
 def _structural(t: Term, prog: DistProgram, registry: Registry) -> Term:

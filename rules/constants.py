@@ -4,7 +4,8 @@
 the sub-range, and two adjacent ranges concatenate to one. So a sequence-parallel rank that
 builds its own positions `arange(r*T/n, (r+1)*T/n)` is seen as holding a piece of the
 sequential `arange(0, T)`. `scalar_tensor` and `full_like` lower to `full` (the latter
-keeps only its input's shape, never its values).
+keeps only its input's shape, never its values), with the fill as their dtype holds it
+(`refine.normalize.held`: an integer dtype truncates it, bool is `!= 0`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from refine import dims
-from refine.ir import Arg, TensorType
+from refine.ir import Arg, TensorType, value_class
 from refine.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
@@ -38,7 +39,10 @@ def _range_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
 
 def _arange_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     a = _range_attrs(attrs)
-    return TensorType((_arange_len(a["start"], a["end"], a["step"]),), attrs.get("dtype") or "int64")
+    dtype = attrs.get("dtype") or "int64"
+    if value_class(dtype) == "bool":
+        raise ShapeError("arange of dtype bool: torch makes none (its integers are not bools)")
+    return TensorType((_arange_len(a["start"], a["end"], a["step"]),), dtype)
 
 
 def _arange(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:

@@ -12,10 +12,16 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from refine.ir import Arg, Node, TensorType
+from refine.ir import VALUE_CLASSES, Arg, Node, TensorType, value_class
 from refine.lazy import F, torch
 from refine.normalize import Builder, rational
 from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
+
+
+def _widest(ins: list[TensorType]) -> str:
+    """The dtype of the widest value class among the operands (torch promotes int with float
+    to float, bool with int to int), the first of its class; float32 for none."""
+    return max(ins, key=lambda t: VALUE_CLASSES.index(value_class(t.dtype))).dtype if ins else "float32"
 
 
 def _broadcast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -23,7 +29,7 @@ def _broadcast(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
         shape = broadcast_shapes(*(t.shape for t in ins))
     except ShapeError:
         raise ShapeError(f"operands do not broadcast: {[list(t.shape) for t in ins]}") from None
-    return TensorType(shape, ins[0].dtype if ins else "float32")
+    return TensorType(shape, _widest(ins))
 
 
 def _broadcast_bool(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -71,9 +77,18 @@ def _lower_elementwise(core: str):
     return decompose
 
 
+def _is_bool(b: Builder, a: Arg) -> bool:
+    return isinstance(a, bool) or (isinstance(a, str) and b.type(a).dtype == "bool")
+
+
 def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     x, y = args
     alpha = rational(attrs.get("alpha", 1), "alpha")
+    if _is_bool(b, x) and _is_bool(b, y):
+        # two bools add to their logical or (torch: True + True is True), never to a count
+        if alpha != 1:
+            raise ShapeError(f"{'a difference' if alpha == -1 else 'a scaled sum'} of bool tensors: torch refuses it")
+        return _lower_logical("logical_or_t")(b, [x, y], {}, out)
     terms = []
     for a, f in ((x, Fraction(1)), (y, alpha)):
         if _constant(b, a) == 0:
@@ -101,6 +116,8 @@ def _rsub(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
 
 
 def _neg(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    if _is_bool(b, args[0]):
+        raise ShapeError("the negation of a bool tensor: torch refuses it")
     return b.scale(args[0], Fraction(-1))  # type: ignore[arg-type]
 
 
@@ -254,6 +271,24 @@ BINARY = {
     "logical_or_t": torch.logical_or, "logical_and_t": torch.logical_and,
 }
 PREDICATES = {"lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t", "logical_or_t", "logical_and_t", "logical_not_t"}
+# ops whose value is a float whatever their inputs (torch.exp of an int64 tensor is float32;
+# `/` is true division): a node declaring an integer dtype for one is refused (refine.format)
+FLOATING = {"exp_t", "log_t", "sqrt_t", "rsqrt_t", "sigmoid_t", "silu_t", "tanh_t", "reciprocal_t", "erf_t",
+            "sin_t", "cos_t", "div_t", "gelu_t"}
+
+
+def _floating(shape: Any) -> Any:
+    """A shape rule whose dtype is floating: its inputs' if they are floats, else float32."""
+
+    def rule(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+        t = shape(ins, attrs)
+        return t if value_class(t.dtype) == "float" else TensorType(t.shape, "float32")
+
+    return rule
+
+
+def _shape_of(name: str, shape: Any) -> Any:
+    return _floating(shape) if name in FLOATING else shape
 
 
 def _gelu_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -261,16 +296,16 @@ def _gelu_ref(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 
 OPS = [
-    *(Op(n, 1, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="unary")
+    *(Op(n, 1, _shape_of(n, _same_shape("bool" if n in PREDICATES else None)), ref=f, core=True, kind="unary")
       for n, f in UNARY.items()),
-    Op("gelu_t", 1, _same_shape(), (("approximate", "str"),), ref=_gelu_ref, core=True, kind="unary"),
-    Op("gelu", 1, _same_shape(), (("approximate", "str?"),), ref=_gelu_ref, decompose=_gelu),
+    Op("gelu_t", 1, _floating(_same_shape()), (("approximate", "str"),), ref=_gelu_ref, core=True, kind="unary"),
+    Op("gelu", 1, _floating(_same_shape()), (("approximate", "str?"),), ref=_gelu_ref, decompose=_gelu),
     Op("clamp_t", 1, _same_shape(), (("min", "float"), ("max", "float")), ref=_clamp_ref, core=True,
        kind="unary", doc="clamp to [min, max] (either may be infinite)"),
     Op("clamp", 1, _same_shape(), (("min", "float?"), ("max", "float?")), ref=_clamp_ref, decompose=_clamp),
-    *(Op(n[:-2], 1, _same_shape("bool" if n in PREDICATES else None), ref=f,
+    *(Op(n[:-2], 1, _shape_of(n, _same_shape("bool" if n in PREDICATES else None)), ref=f,
          decompose=_lower_elementwise(n)) for n, f in UNARY.items()),
-    *(Op(n, 2, _same_shape("bool" if n in PREDICATES else None), ref=f, core=True, kind="elementwise",
+    *(Op(n, 2, _shape_of(n, _same_shape("bool" if n in PREDICATES else None)), ref=f, core=True, kind="elementwise",
          linear={"mul_t": "each", "div_t": "first"}.get(n, ""))
       for n, f in BINARY.items()),
     # the filled tensor's dtype, not the mask's (an integer target masked before a gather)
@@ -284,7 +319,7 @@ OPS = [
     Op("rsub", 2, _broadcast, (("alpha", "float?"),), ref=lambda x, y, alpha=1: y - alpha * x, decompose=_rsub),
     Op("neg", 1, _scalar_shape, ref=torch.neg, decompose=_neg),
     Op("mul", 2, _broadcast, ref=torch.mul, decompose=_mul),
-    Op("div", 2, _broadcast, ref=torch.div, decompose=_div),
+    Op("div", 2, _floating(_broadcast), ref=torch.div, decompose=_div),
     Op("masked_fill", 2, lambda ins, a: ins[0], (("value", "float"),),
        ref=lambda x, m, value: x.masked_fill(m.bool(), value), decompose=_masked_fill),
     Op("where", 3, _where_shape, ref=lambda c, x, y: torch.where(torch.as_tensor(c).bool(), x, y),

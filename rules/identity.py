@@ -1,16 +1,23 @@
 """Ops that return their input's value: copies, layout changes, waits on collectives, and
-casts between floating dtypes (refine reasons about real-valued semantics)."""
+casts between floating dtypes (refine reasons about real-valued semantics), and from an
+integer dtype to a floating one (the same real values). A bool given a numeric dtype becomes
+`cast_float_t` (rules/cast.py, by refine.normalize.Builder.cast); a narrower dtype (float to
+int or bool, int to bool) would change values and is refused."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType
-from refine.opset import Op
+from refine.ir import TensorType, narrowing
+from refine.opset import Op, ShapeError
 
 
 def _same(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    return TensorType(ins[0].shape, attrs.get("dtype") or ins[0].dtype)
+    dtype = attrs.get("dtype") or ins[0].dtype
+    problem = narrowing(ins[0].dtype, dtype)
+    if problem:
+        raise ShapeError(problem)
+    return TensorType(ins[0].shape, dtype)
 
 
 OPS = [

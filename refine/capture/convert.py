@@ -26,8 +26,8 @@ from refine.capture import aten
 from refine.capture.errors import CaptureError
 from refine.capture.trace import BATCH, Traced, source_of
 from refine.ir import Arg, TensorType
-from refine.normalize import normalize_attrs
-from refine.opset import Registry
+from refine.normalize import held, normalize_attrs
+from refine.opset import Registry, ShapeError
 
 
 @dataclass
@@ -151,7 +151,8 @@ class Emitter:
         if spec is None:
             raise self.fail(f"refine has no op {op!r}")
         known = spec.attr_kinds()
-        attrs = {k: v for k, v in attrs.items() if v is not None}
+        # a dtype by its refine name: shape rules read it (arange's dtype is its value class)
+        attrs = {k: self.dtype(v) if isinstance(v, torch.dtype) else v for k, v in attrs.items() if v is not None}
         for k in attrs:
             if k not in known:
                 raise self.fail(f"refine op {op!r} has no attribute {k!r} (it has: {', '.join(known) or 'none'})")
@@ -176,6 +177,11 @@ class Emitter:
                 raise self.fail(f"refine op {op!r} gives shape {list(typ.shape)} but torch traced {list(traced)}: "
                                 "the mapping in refine/capture/aten.py is wrong for this use")
             out_dtype = self.dtype(val.dtype)
+        if "value" in attrs:  # a fill, as the output's dtype holds it (an int truncates it; torch does)
+            try:
+                attrs = attrs | {"value": held(float(attrs["value"]), out_dtype)}
+            except ShapeError as e:
+                raise self.fail(str(e)) from None
         node: dict[str, Any] = {"name": name, "op": op, "args": list(args)}
         if attrs:
             node["attrs"] = {k: self.attr_value(v) for k, v in attrs.items()}
