@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,14 +38,10 @@ REG = load_registry()
 GRADS = {f"{p}.grad" for p in ("ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 SLOW = pytest.mark.skipif(not os.environ.get("REFINE_SLOW_TESTS"),
                           reason="a check of about a minute on 2 shared cores: set REFINE_SLOW_TESTS=1")
-SECONDS: dict[str, float] = {}  # check times, printed by test_check_times
 
 
 def checked(case: capture.Case) -> Any:
-    t0 = time.perf_counter()
-    report = case.check()
-    SECONDS[case.name] = round(time.perf_counter() - t0, 1)
-    return report
+    return case.check()
 
 
 @pytest.fixture(scope="module")
@@ -184,12 +179,6 @@ def test_clip_grad_norm_on_four_ranks_refines() -> None:
     report = checked(case)
     assert report.refines, report
     assert wrong_numerically(case) == set()
-
-
-def test_check_times() -> None:
-    """Check seconds per case (printed with -s)."""
-    print("check seconds:", SECONDS)
-    assert SECONDS and all(s > 0 for s in SECONDS.values())
 
 
 # ---------------------------------------------------------------------------------------
