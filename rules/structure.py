@@ -276,9 +276,10 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                                      "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)",
                                      f"(!= (+ {one} r) {zero})", "(!= a b)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
-        # terms that cancel (x - x, r x - r x) are the zero constant, which sum-zero drops: as
-        # a multiple 0 x, a zero is a multiple of every tensor, and the rules relating
-        # multiples make every sum of zeros and multiples, without end (scale-zero likewise)
+        # terms that cancel (x - x, r x - r x) are the zero constant, which sum-zero drops, as
+        # a product by 0.0 lowers to it (over the reals): as a multiple 0 x, a zero is a
+        # multiple of every tensor, and the rules relating multiples make every sum of zeros
+        # and multiples, without end (scale-zero likewise)
         rule("sum-like-scales-cancel", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale x r1))", "(multiset-contains ms a)",
                                         "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)",
                                         f"(= (+ r1 r2) {zero})", "(= s (shape a))"],
@@ -410,11 +411,13 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
     # rules in the reshape family
     return out
 
+
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     """Sums that hold a multiple of themselves, which a tree of seed terms cannot make: a
-    rank tensor s that is a + b, where a = s/3 and b = s - s/3 (relating rank tensors both
+    rank tensor s that is a + b, where a = k s and b = (1 - k) s (relating rank tensors both
     ways makes these from x + x + x). A scale of s, and a sum with it, so that scale-sum and
-    the rules collecting like terms meet it (the SumStop index keeps scale-sum off it)."""
+    the rules collecting like terms meet it (SumStop keeps scale-sum off it). And terms that
+    cancel, a scale by 0 and a scaled zero (the zero constant they become)."""
     r = gen.rng
     out: list[Term] = []
     for _ in range(gen.instances):

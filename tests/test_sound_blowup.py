@@ -188,12 +188,14 @@ def test_a_step_past_a_small_budget_stops_and_proves_nothing_more(tmp_path: Path
     for i, seq in enumerate((_times(3.0), _times(2.0))):
         report = check_files(*_case(tmp_path / str(i), seq, _adds("x", "x", "x"), X, "Replicate"))
         assert not report.refines, str(report)
-        assert report.stats["bounded"] > 0, report.stats
+        assert report.stats["bounded"] > 0 and "search cut short" in str(report), report.stats
 
 
-def test_the_match_budget_stops_a_step_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("budget, value", [("MATCH_BUDGET", 3), ("MEMORY_BUDGET", -1)])
+def test_the_other_budgets_stop_a_step_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str,
+                                           value: int) -> None:
     monkeypatch.setattr(check_mod, "_ENGINES", {})
-    monkeypatch.setattr(prove, "MATCH_BUDGET", 3)
+    monkeypatch.setattr(prove, budget, value)
     report = check_files(*_case(tmp_path, _times(3.0), _adds("x", "x", "x"), X, "Replicate"))
     assert not report.refines, str(report)
     assert report.stats["bounded"] > 0, report.stats
