@@ -105,6 +105,12 @@ def _cancel_then(body: Build) -> Build:
     return lambda g, r: g.op("add", g.op("sub", "x", "x"), body(g, r))
 
 
+def _neg_cancel(g: GraphBuilder, r: int) -> str:
+    """(x + (-x)) + (-(-x)): a negation, its cancelling sum and its double negation."""
+    a = g.op("neg", "x")
+    return g.op("add", g.op("add", "x", a), g.op("neg", a))
+
+
 def _kx_plus_y(k: float) -> Build:
     return lambda g, r: g.op("add", g.op("mul", "x", k), "y")
 
@@ -147,6 +153,7 @@ FAMILIES: dict[str, tuple[Build, Build, dict[str, tuple[list[int], str]], str, B
                         lambda g, r: g.op("mul", "y", 3.0)),
     "partial -((x-x)+(x+x)) vs -2x": (_times(-2.0), lambda g, r: g.op("neg", _cancel_then(_adds("x", "x"))(g, r)),
                                       X_PARTIAL, "Partial", _times(2.0)),
+    "(x+(-x))+(-(-x)) vs 1.0 x": (_times(1.0), _neg_cancel, X, "Replicate", _times(-1.0)),
     "row sums of x+x+x vs 3 rowsum x": (lambda g, r: g.op("mul", g.op("sum", "x", dim=[1]), 3.0),
                                         _rowsum(_adds("x", "x", "x")), X, "Replicate",
                                         lambda g, r: g.op("mul", g.op("sum", "x", dim=[1]), 2.0)),
