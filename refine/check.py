@@ -97,7 +97,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     if stuck:  # the ranks never finish: nothing to relate
         return _deadlocked(seq, dist, stuck, t0)
     engine = engine_for(registry, is_symbolic(seq, dist), case_features(dist))
-    steps0, replayed0 = engine.stats["steps"], engine.stats["replayed"]
+    steps0, replayed0, bounded0 = engine.stats["steps"], engine.stats["replayed"], engine.stats["bounded"]
     join_copies(seq, dist, prog, engine, registry)
     inf = infer(seq_core, inputs, prog, engine, registry)
 
@@ -135,6 +135,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
                 for e in dist.expectations if e.guessed]
     stats = {"seconds": round(time.perf_counter() - t0, 3), "steps": int(engine.stats["steps"] - steps0),
              "replayed": int(engine.stats["replayed"] - replayed0),
+             "bounded": int(engine.stats["bounded"] - bounded0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
              "ranks": len(dist.ranks)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from refine.egg import bindings
@@ -60,6 +61,30 @@ PATIENCE = 3
 # ends the step too, plain or not: each further one costs more (sums of eight micro-batch
 # gradients regrouped: 0.3M, 0.7M, 0.6M, 0.3M matches, 230 s, for nothing cheaper)
 FLOOD = 200_000
+# Every step, early stop or not, is bounded in what it may hold and do (_Budget). Between
+# iterations it stops when its e-graph holds more than NODE_BUDGET e-nodes (rows of all its
+# tables), when the next iteration, growing as the last one grew over the one before, would
+# apply more than MATCH_BUDGET rule matches, or would take the memory the process gained
+# over the step past MEMORY_BUDGET. An iteration cannot be cut short, so the bound looks
+# one ahead: a rewrite system that runs away does so geometrically or faster (a sum of
+# copies regrouped, before rules/structure.py's SumStop: 2.7K, 113K matches, then one
+# iteration of more than 20 minutes and 12 GB).
+# Why these values: an e-node and what indexes it take about 0.3 KB (GPT TP8's largest
+# step: 0.4M e-nodes, 0.1 GB), so 1M e-nodes is well under a GB; egglog applies a match in
+# 5-30 us, so 2M matches is under a minute for one iteration. But sums are multisets that
+# egglog stores and rebuilds apart from the e-nodes: with long ones an e-node takes 5-50 KB
+# and a match 200 us (1 GB at 33K e-nodes), which only the process's memory shows (read
+# where it is cheap: /proc/self/statm, else the peak), not deterministically, so it is the
+# last of the three. 2 GB for one step of many is what a 16-24 GB laptop holds next to the
+# rest; the largest correct steps the tests and the corpus run stay far below all three:
+# 0.4M e-nodes (GPT TP8), iterations of 0.8M matches (aws_llama TP6), 0.2 GB.
+# A stopped step returns the cheapest term its e-graph holds: every equality in it is
+# proven, so a clean term is still a proof. Stopping can only lose proofs: the node is
+# then unclean (a culprit), never a REFINES it did not prove; the report says a step was
+# cut short (StepResult.bounded).
+NODE_BUDGET = 1_000_000
+MATCH_BUDGET = 2_000_000
+MEMORY_BUDGET = 2 << 30  # bytes
 DEEP_HOPS = 24  # the frontier of a step over a fused node's term (Op.fuse)
 DEEP_ITERATIONS = 6  # and its rule iterations: it holds most of a rank program
 # What a node passes on to its users is a term no deeper than this, else an opaque leaf (no
@@ -100,6 +125,7 @@ class StepResult:
     # rank tensors the step proved equal to a tensor its best term names: the ranks' own
     # name for a piece may be another than the one extracted (a rank recomputing a mask)
     same: list[tuple[str, str]] = field(default_factory=list)
+    bounded: bool = False  # its e-graph stopped at NODE_BUDGET / MATCH_BUDGET: a proof may be missing
 
     @property
     def clean(self) -> bool:
@@ -110,7 +136,8 @@ class StepResult:
 class Engine:
     registry: Registry
     symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
-    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0, "replayed": 0})
+    stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0, "replayed": 0,
+                                                             "bounded": 0})
     cache: dict[str, _Solved] = field(default_factory=dict)
     fired: Counter[str] = field(default_factory=Counter)  # rule name -> matches applied, over every step
     audit_shapes: bool = SHAPE_AUDIT
@@ -303,11 +330,12 @@ class Engine:
         self.fired.update(hit.fired)  # a reused step counts as the rules that proved it
         dt = time.perf_counter() - t0
         self.stats["steps"] += 1
+        self.stats["bounded"] += hit.bounded
         self.stats["seconds"] += dt
         # the facts told about parts of rank inputs are premises too
         premises = Premises.of(seq, prog, em.defined, em.shaped, em.opaque, em.outputs, hit.fired,
                                [prog.facts[i] for i in told]) if not check_texts else None
-        return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same)
+        return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same, hit.bounded)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS, early: bool = True) -> _Solved:
         # the rules whose queries can match in this e-graph (_Declarations.closure): any
@@ -317,7 +345,7 @@ class Engine:
         self._run("(push)", eg)
         try:
             self._run(program, eg)
-            fired, best_out = self._saturate(iterations, early=EARLY_STOP and early and not checks, eg=eg)
+            fired, best_out, bounded = self._saturate(iterations, early=EARLY_STOP and early and not checks, eg=eg)
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
@@ -334,7 +362,7 @@ class Engine:
                     results.append(False)
         finally:
             self._run("(pop)", eg)
-        return _Solved(best, cost, found, tuple(results), fired, same)
+        return _Solved(best, cost, found, tuple(results), fired, same, bounded)
 
     def _audit(self, program: str, eg: bindings.EGraph) -> None:
         """SHAPE_AUDIT: raise if the step's e-graph holds a class with two shapes, writing
@@ -347,29 +375,35 @@ class Engine:
             raise ShapeConflict(f"an e-class holds two shapes (a wrong shape rule or a false equality); "
                                 f"the step's program is {f.name}:\n{conflicts}")
 
-    def _saturate(self, iterations: int, early: bool, eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest]:
-        """Run up to `iterations` rule iterations (see EARLY_STOP); the rules' matches and
-        the target's best term."""
+    def _saturate(self, iterations: int, early: bool,
+                  eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest, bool]:
+        """Run up to `iterations` rule iterations (see EARLY_STOP and NODE_BUDGET); the
+        rules' matches, the target's best term and whether the budget stopped it."""
         fired: Counter[str] = Counter()
-        if not early:
-            ran = self._run(f"(run-schedule (repeat {iterations} (saturate (run shapes)) (run)))", eg)
-            fired.update({k: v for k, v in ran[-1].report.num_matches_per_rule.items() if v})
-            return fired, self._run("(extract $__seq)", eg)[0]
-        best, since = None, 0
+        best, since, bounded = None, 0, False
+        budget = _Budget()
+        step = "(run-schedule (saturate (run shapes)) (run))" + ("\n(extract $__seq)" if early else "")
         for _ in range(iterations):
-            ran = self._run("(run-schedule (saturate (run shapes)) (run))\n(extract $__seq)", eg)
-            report, out = ran[-2].report, ran[-1]
+            ran = self._run(step, eg)
+            report = ran[-2 if early else -1].report
+            matches = sum(report.num_matches_per_rule.values())
             fired.update({k: v for k, v in report.num_matches_per_rule.items() if v})
-            if best is None or out.cost < best.cost:
-                best, since = out, 0
-            else:
-                since += 1
-            if not report.updated or (best.cost < COMPUTE and since >= PATIENCE and self._plain(best)):
+            if early:
+                out = ran[-1]
+                if best is None or out.cost < best.cost:
+                    best, since = out, 0
+                else:
+                    since += 1
+                if best.cost < COMPUTE and (since >= PATIENCE and self._plain(best) or since >= 1 and matches > FLOOD):
+                    break
+            if not report.updated:
                 break
-            if best.cost < COMPUTE and since >= 1 and sum(report.num_matches_per_rule.values()) > FLOOD:
+            if budget.spent(matches, lambda: sum(n for _, n in self._run("(print-size)", eg)[0].sizes)):
+                bounded = True
                 break
-        assert best is not None
-        return fired, best
+        if best is None:
+            best = self._run("(extract $__seq)", eg)[0]
+        return fired, best, bounded
 
     @staticmethod
     def _plain(best: bindings.ExtractBest) -> bool:
@@ -379,6 +413,46 @@ class Engine:
         its users then need far fewer rewrites: such a step runs the whole bound."""
         heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
         return heads <= _PLAIN_HEADS
+
+
+@dataclass
+class _Budget:
+    """What a step has spent, iteration by iteration (see NODE_BUDGET)."""
+
+    memory0: int = field(default_factory=lambda: _memory())
+    matches: int = 0  # the last iteration's rule matches
+    grown: int = 0  # bytes the process gained since the step began
+    grew: int = 0  # of which by the last iteration
+
+    def spent(self, matches: int, nodes: Callable[[], int]) -> bool:
+        """Whether the next iteration would go past a budget: the matches and the memory
+        grow as they grew over the iteration before (the first one's as they are)."""
+        ahead = matches * max(1.0, matches / self.matches if self.matches else 1.0)
+        self.matches = matches
+        if ahead > MATCH_BUDGET or nodes() > NODE_BUDGET:
+            return True
+        grown = max(_memory() - self.memory0, 0)
+        grew, self.grown = grown - self.grown, grown
+        more = grew * max(1.0, grew / self.grew if self.grew > 0 else 1.0)
+        self.grew = grew
+        return grown + more > MEMORY_BUDGET
+
+
+def _memory() -> int:
+    """The process's resident memory in bytes: current where /proc has it, else the peak
+    (never lower than the current); 0 where neither can be read (no memory bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    except (ImportError, OSError):
+        return 0
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
@@ -628,6 +702,7 @@ class _Solved:
     checks: tuple[bool, ...]
     fired: Counter[str]
     same: tuple[tuple[str, str], ...] = ()
+    bounded: bool = False
 
 
 _LEAF = re.compile(r'\((D|Out|Opq) ("[^"]*")\)')  # strings made by `quote` hold no quote

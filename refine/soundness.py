@@ -717,7 +717,7 @@ class Harness:
             self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
-        tables = names | {"pp", "SumPair"} | set(FACTS)
+        tables = names | {"pp", "SumPair", "SumStop"} | set(FACTS)
         self.writes = {r.name: analysis_writes(r, tables) for r in self.always}
         made = set().union(*self.writes.values())  # seeds need not hold what analyses make
         self.heads = {r.name: query_heads(r, names) - made for _, r in self.checked_rules}
@@ -740,6 +740,7 @@ class Harness:
                 return text[t]
             if t.op == "D":
                 s = f"(D {quote(t.attrs[0])})"
+                text[t] = s  # first: a definition may name the leaf again (a sum holding a multiple of itself)
                 if t.attrs[0] in self.gen.defined:
                     lines.append(f"(union {s} {go(self.gen.defined[t.attrs[0]])})")
             else:
@@ -856,6 +857,7 @@ class Harness:
                                 f"max error {max_err(a, b):.3g}); {self.where(t, ref)}")
         failures.sort(key=lambda f: "the rule created it" in f)  # merges first: they say what went wrong
         # the shape analysis and prefix products
+        stops: tuple | None = None  # what SumStop entries are checked against, made at the first one
         for n in nodes.values():
             if n["op"] == "shape" and len(n["children"]) == 1:
                 c = nodes[n["children"][0]]["eclass"]
@@ -882,6 +884,11 @@ class Harness:
                     a, b = self._eval(Term("Sum", (x1, x2))), self._eval(u)
                     if isinstance(a, str) or isinstance(b, str) or not close(a, b):
                         failures.append(f"SumPair: {x1} + {x2} is not {u}; {self.where(x1, x2, u)}")
+            if n["op"] == "SumStop" and len(n["children"]) == 1:
+                self.analysis_checked["SumStop"] += 1
+                if value(prim[n["eclass"]]) is True:
+                    stops = stops or _stop_index(nodes, value)
+                    failures += _check_sum_stop(n["children"][0], nodes, cls_term, stops)
             if n["op"] in FACTS and len(n["children"]) == 1:
                 failures += self._check_fact(n, nodes, cls_term)
             if n["op"] == "pp":
@@ -956,6 +963,42 @@ class Harness:
                 n = sum(self.analysis_checked[t] for t in self.writes[r.name])
                 out.append(RuleResult(r.name, n > 0, 0, 0, n, [], 0.0))
         return out
+
+
+def _stop_index(nodes: dict[str, Any], value: Any) -> tuple[dict[str, set[str]], set[str], dict[str, list[str]]]:
+    """Per class, the classes it holds a Scale of; the classes that are zero (the zero
+    constant, or a multiple of themselves other than 1 x); per multiset node, its sums' classes."""
+    scales: dict[str, set[str]] = {}
+    zeros: set[str] = set()
+    sums: dict[str, list[str]] = {}
+    for x in nodes.values():
+        if x["op"] == "Scale":
+            arg = nodes[x["children"][0]]["eclass"]
+            scales.setdefault(x["eclass"], set()).add(arg)
+            if arg == x["eclass"] and value(x["children"][1]) != 1:
+                zeros.add(arg)
+        elif x["op"] == "full" and value(x["children"][0]) == 0.0:
+            zeros.add(x["eclass"])
+        elif x["op"] == "Sum":
+            sums.setdefault(x["children"][0], []).append(x["eclass"])
+    return scales, zeros, sums
+
+
+def _check_sum_stop(ms: str, nodes: dict[str, Any], cls_term: dict[str, Term],
+                    stops: tuple[dict[str, set[str]], set[str], dict[str, list[str]]]) -> list[str]:
+    """(SumStop ms) true: the sum of ms holds a term twice, two multiples of one tensor (or a
+    tensor and a multiple of it), the sum itself or a multiple of it, or a zero, or is zero.
+    False claims nothing (the expansion rules then apply, as without the index)."""
+    scales, zeros, sums = stops
+    kids = [nodes[k]["eclass"] for k in nodes[ms]["children"]]
+    terms = set(kids)
+    of = {t: scales.get(t, set()) for t in terms}
+    for e in sums.get(ms, []):
+        if len(kids) > len(terms) or e in terms or terms & zeros or e in zeros \
+                or any(e in of[t] or of[t] & terms or any(of[t] & of[u] for u in terms if u != t) for t in terms):
+            return []
+    return [f"SumStop: the sum of {[cls_term.get(c) for c in sorted(terms)]} holds no like terms, multiple of itself "
+            "or zero"]
 
 
 def _natural(name: str) -> tuple[str, int]:

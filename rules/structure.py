@@ -10,7 +10,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import split_point
+from refine.expr import Term, split_point
 from refine.ir import Arg, TensorType
 from refine.lazy import torch
 from refine.normalize import Builder
@@ -144,6 +144,37 @@ SUM_INDEX = [
     rule("sum-pairs-index", ["(= u (Sum ms))", "(= (multiset-length ms) 2)", "(= x1 (multiset-pick ms))",
                              "(= x2 (multiset-pick (multiset-remove ms x1)))"],
          ["(SumPair x1 x2 u)"], analysis=True),
+    # (SumStop ms): the rules that expand a sum (scale-sum, sum-flatten) leave the sum of ms
+    # alone, because it holds like terms, a multiple of itself or a zero. Such sums make new
+    # ones without end: with x = x/3 + a (a rank's x + x + x, related back to x), scaling
+    # by r gives x r/3 = x r/9 + ...; flattening x - x (or x + 0) into a sum adds terms that
+    # cancel, which the like terms rules then collect in every grouping; and sums of like
+    # terms expanded and collected again make every multiple of their terms. A sum of like
+    # terms has its collected form in its class (sum-duplicate, sum-like-scales,
+    # sum-plain-and-scale, and -cancel), which is expanded instead: nothing is lost there.
+    rule("sum-stop-index", ["(= e (Sum ms))"], ["(set (SumStop ms) false)"], analysis=True),
+    rule("sum-stop-copies", ["(= e (Sum ms))", "(SumHas e a)", "(multiset-contains ms a)",
+                             "(multiset-contains (multiset-remove ms a) a)", "(= s (shape e))", "(= s (shape a))"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    rule("sum-stop-like-scales", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                  "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    rule("sum-stop-plain-and-scale", ["(= e (Sum ms))", "(SumHas e b)", "(= b (Scale a r))", "(SumHas e a)",
+                                      "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    rule("sum-stop-self-scaled", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale e r))", "(multiset-contains ms a)"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    rule("sum-stop-self", ["(= e (Sum ms))", "(SumHas e e)", "(multiset-contains ms e)"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    # a zero term (0 times the sum: sum-zero makes the sum without it, in the same class)
+    rule("sum-stop-zero-term", ["(= e (Sum ms))", "(SumHas e z)", "(= z (full v sh))", "(= v 0.0)",
+                                "(multiset-contains ms z)"],
+         ["(set (SumStop ms) true)"], analysis=True),
+    # a sum that is zero (the zero constant, or e = r e with r != 1): a multiple of everything
+    rule("sum-stop-zero", ["(= e (Sum ms))", "(= e (full v sh))", "(= v 0.0)"], ["(set (SumStop ms) true)"],
+         analysis=True),
+    rule("sum-stop-zero-multiple", ["(= e (Sum ms))", "(= e (Scale e r))", "(!= r (bigrat (bigint 1) (bigint 1)))"],
+         ["(set (SumStop ms) true)"], analysis=True),
 ]
 
 SHAPE_SAME = "(rule ((= e (OP x ARGS)) (= s (shape x))) ((set (shape e) s)))"
@@ -216,16 +247,19 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # no associativity rule: from a balanced tree of n pieces, re-nesting makes every
         # bracketing (Catalan(n - 1): 429 for 8 ranks) and each op split over every one
         # scale
-        rewrite("scale-scale", "(Scale (Scale x a) b)", "(Scale x (* a b))"),
+        # A class that holds a multiple of itself other than 1 x is zero (x = r x): every
+        # multiple of it is itself, so the rules relating multiples skip it (x != y below);
+        # through it they would make a new factor at every match (a/b, then a/b/c, ...)
+        rule("scale-scale", ["(= e (Scale y b))", "(= y (Scale x a))", "(!= x y)"], ["(union e (Scale x (* a b)))"]),
         rewrite("scale-one", "(Scale x r)", "x", f"(= r {one})"),
         # a scale by r != 0 is invertible: x is y / r (a rank tensor scaled otherwise than
         # the sequential one, as with a loss divided by a micro-batch count)
-        rule("scale-inverse", ["(= y (Scale x r))", "(= y (D n))", f"(!= r {zero})"],
+        rule("scale-inverse", ["(= y (Scale x r))", "(= y (D n))", f"(!= r {zero})", "(!= x y)"],
              [f"(union x (Scale y (/ {one} r)))"]),
         # not over a sum of copies of one tensor: x = Sum(x/2, x/2) (sum-halves) would let it
         # distribute Scale(x, r) into Sum(x r/2, x r/2), and then Scale(x, r/2), without end
         rule("scale-sum", ["(= e (Scale (Sum ms) r))", "(= a (multiset-pick ms))",
-                           "(< (multiset-count ms a) (multiset-length ms))"],
+                           "(< (multiset-count ms a) (multiset-length ms))", "(= (SumStop ms) false)"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
         # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
@@ -235,11 +269,27 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                                 "(!= e a)", "(multiset-contains (multiset-remove ms a) a)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a (+ {one} {one})))))"]),
         rule("sum-like-scales", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale x r1))", "(multiset-contains ms a)",
-                                 "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)"],
+                                 "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)",
+                                 f"(!= (+ r1 r2) {zero})", "(!= a x)", "(!= b x)"],
              ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale x (+ r1 r2)))))"]),
         rule("sum-plain-and-scale", ["(= e (Sum ms))", "(SumHas e b)", "(= b (Scale a r))", "(SumHas e a)",
-                                     "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)"],
+                                     "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)",
+                                     f"(!= (+ {one} r) {zero})", "(!= a b)"],
              [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (Scale a (+ {one} r)))))"]),
+        # terms that cancel (x - x, r x - r x) are the zero constant, which sum-zero drops, as
+        # a product by 0.0 lowers to it (over the reals): as a multiple 0 x, a zero is a
+        # multiple of every tensor, and the rules relating multiples make every sum of zeros
+        # and multiples, without end (scale-zero likewise)
+        rule("sum-like-scales-cancel", ["(= e (Sum ms))", "(SumHas e a)", "(= a (Scale x r1))", "(multiset-contains ms a)",
+                                        "(SumHas e b)", "(= b (Scale x r2))", "(multiset-contains (multiset-remove ms a) b)",
+                                        f"(= (+ r1 r2) {zero})", "(= s (shape a))"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (full 0.0 s))))"]),
+        rule("sum-plain-and-scale-cancel", ["(= e (Sum ms))", "(SumHas e b)", "(= b (Scale a r))", "(SumHas e a)",
+                                            "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)",
+                                            f"(= (+ {one} r) {zero})", "(= s (shape a))"],
+             ["(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) b) (full 0.0 s))))"]),
+        rule("scale-zero", ["(= e (Scale x r))", f"(= r {zero})", "(= s (shape x))"], ["(union e (full 0.0 s))"]),
+        rewrite("scale-zero-constant", "(Scale (full v s) r)", "(full v s)", "(= v 0.0)"),
         # These rules make new multiples; each is kept to multiples of rank tensors (D), so the
         # factors they make stay few: unguarded, collecting like terms and relating multiples
         # feed each other new rationals without end.
@@ -247,7 +297,7 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # Scale(x, a) is found as a multiple of the rank tensor holding Scale(x, b) (a
         # gradient averaged where the sequential one is summed, a loss scaled twice)
         rule("scale-factor", ["(= e1 (Scale x a))", "(= e2 (Scale x b))", "(= e2 (D n))", "(!= a b)",
-                              "(!= b (bigrat (bigint 0) (bigint 1)))"],
+                              "(!= b (bigrat (bigint 0) (bigint 1)))", "(!= e1 e2)"],
              ["(union e1 (Scale e2 (/ a b)))"]),
         # n-ary sums and maxes flatten; a rank-0 constant zero adds nothing. Copies are
         # multiples (sum-duplicate), not flattened: a sum held twice, flattened one copy at
@@ -257,7 +307,8 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         # nor a sum inside itself (x = x + 0 would take up zeros without end)
         rule("sum-flatten", ["(= e (Sum ms))", "(SumHas e inner)", "(= inner (Sum ms2))", "(multiset-contains ms inner)",
                              "(!= e inner)", "(= (multiset-count ms inner) 1)", "(= p (multiset-pick ms2))",
-                             "(< (multiset-count ms2 p) (multiset-length ms2))"],
+                             "(< (multiset-count ms2 p) (multiset-length ms2))", "(= (SumStop ms) false)",
+                             "(= (SumStop ms2) false)"],
              ["(union e (Sum (multiset-sum (multiset-remove ms inner) ms2)))"]),
         rule("max-flatten", ["(= e (Max ms))", "(= inner (Max ms2))", "(multiset-contains ms inner)"],
              ["(union e (Max (multiset-sum (multiset-remove ms inner) ms2)))"]),
@@ -360,6 +411,33 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
     # rules in the reshape family
     return out
 
+
+def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Sums that hold a multiple of themselves, which a tree of seed terms cannot make: a
+    rank tensor s that is a + b, where a = k s and b = (1 - k) s (relating rank tensors both
+    ways makes these from x + x + x). A scale of s, and a sum with it, so that scale-sum and
+    the rules collecting like terms meet it (SumStop keeps scale-sum off it). And terms that
+    cancel, a scale by 0 and a scaled zero (the zero constant they become)."""
+    r = gen.rng
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        shape = gen.dims(2)
+        k = Fraction(r.choice([1, 1, 2]), r.choice([2, 3, 4]))
+        s = gen.leaf(shape)
+        a = gen.defined_leaf(Term("Scale", (s,), (k,)))
+        b = gen.defined_leaf(Term("Scale", (s,), (1 - k,)))
+        gen.defined[s.attrs[0]] = Term("Sum", (a, b))  # made last: s keeps the value a and b were made from
+        out.append(Term("Scale", (s,), (Fraction(r.choice([-1, 2, 3]), r.choice([1, 2])),)))
+        out.append(Term("Sum", (Term("Scale", (s,), (Fraction(1, 2),)), gen.leaf(shape))))
+        # terms that cancel, and a zero scaled
+        u = gen.leaf(shape)
+        out.append(Term("Sum", (Term("Scale", (u,), (k,)), Term("Scale", (u,), (-k,)), gen.leaf(shape))))
+        out.append(Term("Sum", (u, Term("Scale", (u,), (Fraction(-1),)))))
+        out.append(Term("Scale", (u,), (Fraction(0),)))
+        out.append(Term("Scale", (Term("full", (), (0.0, shape)),), (k,)))
+    return out
+
+
 # Helper constructors let a partially applied function map over the terms of a sum.
 DECLS = [
     f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
@@ -370,4 +448,5 @@ DECLS = [
     # the index of SUM_INDEX: never unioned with anything, never extracted
     f"(constructor SumHas (T T) T :cost {HELPER})",
     "(relation SumPair (T T T))",
+    "(function SumStop (TS) bool :merge (or old new))",
 ]

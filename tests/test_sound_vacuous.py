@@ -55,7 +55,8 @@ def passthrough(kind: str, x: str, y: str, shape: list[int], out: str = "p") -> 
         "slice": ([node(out, "slice", [x], [rows, cols // 2], {"dim": 1, "start": 0, "end": cols // 2})], out),
         "expand": ([node(out + "_u", "unsqueeze", [x], [1, rows, cols], {"dim": 0}),
                     node(out, "expand", [out + "_u"], [2, rows, cols], {"shape": [2, rows, cols]})], out),
-        "constant": ([node(out, "full", [], shape, {"shape": shape, "value": 0.0})], out),
+        # not 0.0: a zero is its own negation (the check below negates a rank's output)
+        "constant": ([node(out, "full", [], shape, {"shape": shape, "value": 2.0})], out),
     }[kind]
 
 
