@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.ir import sizes
 
 HERE = Path(__file__).resolve().parent
 
@@ -20,7 +20,7 @@ def tp_mlp(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tu
     `symbolic`: any number of tokens T and any hidden sizes H, F (F divisible by the ranks)."""
     T, H, F = 8, 16, 32
     if symbolic:
-        T, H, F = dims.sym("T"), dims.sym("H"), dims.sym("F", multiple=world)
+        T, H, F = sizes.sym("T"), sizes.sym("H"), sizes.sym("F", multiple=world)
     s = GraphBuilder()
     x = s.input("x", [T, H])
     w1 = s.input("w1", [H, F], role="parameter")
@@ -79,7 +79,7 @@ def sp_mlp(world: int = 2, bug: str | None = None, symbolic: bool = False) -> tu
     `symbolic`: any number of tokens divisible by the ranks, any hidden size."""
     T, H, F = 8, 16, 32
     if symbolic:
-        T, H = dims.sym("T", multiple=world), dims.sym("H")
+        T, H = sizes.sym("T", multiple=world), sizes.sym("H")
     s = GraphBuilder()
     x = s.input("x", [T, H])
     ln_w = s.input("ln_w", [H], role="parameter")
@@ -148,7 +148,7 @@ def tp_attention(world: int = 2, bug: str | None = None, symbolic: bool = False)
     `symbolic`: any number of tokens T (heads and head size stay concrete)."""
     T, NH, HD = 8, 4, 4
     if symbolic:
-        T = dims.sym("T")
+        T = sizes.sym("T")
     H = NH * HD
     nh = NH // world
     scale = HD ** -0.5  # 0.5: exact

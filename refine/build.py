@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from refine import dims
 from refine.format import FORMAT, VERSION
-from refine.ir import TensorType
+from refine.ir import sizes
+from refine.ir.graph import TensorType
 from refine.normalize import normalize_attrs
 from refine.opset import Registry, load_registry
 
@@ -70,19 +70,19 @@ def _json(v: Any) -> Any:
     """Sizes as the format writes them: ints, or symbolic expressions as text."""
     if isinstance(v, (list, tuple)):
         return [_json(x) for x in v]
-    return str(v) if isinstance(v, dims.Sym) else v
+    return str(v) if isinstance(v, sizes.Sym) else v
 
 
-def _symbols(symbols: list[dims.Sym]) -> dict[str, Any]:
+def _symbols(symbols: list[sizes.Sym]) -> dict[str, Any]:
     out = {}
     for s in symbols:
-        for name, a in dims.atoms_of(s).items():
+        for name, a in sizes.atoms_of(s).items():
             if a.floor is None:
                 out[name] = {"min": a.min, "multiple_of": a.multiple}
     return out
 
 
-def seq_doc(g: GraphBuilder, symbols: list[dims.Sym] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+def seq_doc(g: GraphBuilder, symbols: list[sizes.Sym] = ()) -> dict[str, Any]:  # type: ignore[assignment]
     doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "kind": "sequential"}
     declared = _symbols(list(symbols))
     if declared:

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from refine.copies import join_copies
-from refine.expr import LEAF_OPS, NARY, Term
 from refine.extra_rules import require_verified
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
+from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
+from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.localize import localize
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import Registry, ShapeError, load_registry
@@ -28,7 +28,7 @@ EXPECT_HOPS = 8
 def engine_for(registry: Registry, symbolic: bool = False, features: frozenset[str] = frozenset()) -> Engine:
     """One engine per rule set, size mode and case features (`Rule.needs`): concrete sizes
     are i64 in the e-graph, symbolic ones PyObjects whose comparisons are proven (see
-    refine.dims)."""
+    refine.ir.sizes)."""
     key = (id(registry), symbolic, features)
     if key not in _ENGINES:
         _ENGINES[key] = Engine(registry, symbolic=symbolic, features=features)
@@ -213,12 +213,12 @@ def _guess(r: Relation) -> str:
 
 
 def _describe_symbols(seq: Graph, dist: Dist) -> list[str]:
-    from refine import dims
+    from refine.ir import sizes
 
     syms = case_symbols(seq, dist)
     out = []
     for name in sorted(syms):
-        a = dims.atoms_of(syms[name])[name]
+        a = sizes.atoms_of(syms[name])[name]
         out.append(f"{name} >= {a.min}" + (f", a multiple of {a.multiple}" if a.multiple > 1 else ""))
     return out
 

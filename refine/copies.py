@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from refine.expr import Term, cat, leaf
-from refine.ir import Dist, Graph, TensorType, tensor_name
-from refine.lazy import torch
+from refine.ir.graph import Dist, Graph, TensorType, tensor_name
+from refine.ir.lazy import torch
+from refine.ir.term import Term, cat, leaf
 
 if TYPE_CHECKING:
     from torch import Tensor

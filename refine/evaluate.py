@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
-from refine import dims, schedule
-from refine.expr import LEAF_OPS, OPAQUE, Term
-from refine.ir import (
+from refine import schedule
+from refine.ir import sizes
+from refine.ir.graph import (
     Define,
     Dist,
     Graph,
@@ -43,9 +43,10 @@ from refine.ir import (
     case_symbols,
     tensor_name,
 )
+from refine.ir.layout import join_replicas
+from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.normalize import lower, normalize_attrs
 from refine.opset import Registry, load_registry
-from refine.replica import join_replicas
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -827,7 +828,7 @@ def valuation(symbols: Mapping[str, Any], seed: int = 0, spread: int = 3) -> dic
     rng = random.Random(seed)
     out = {}
     for name in sorted(symbols):
-        a = dims.atoms_of(symbols[name])[name]
+        a = sizes.atoms_of(symbols[name])[name]
         lo = max(a.min, 2)
         base = -(-lo // a.multiple) * a.multiple
         out[name] = base + a.multiple * rng.randint(0, spread)
@@ -835,8 +836,8 @@ def valuation(symbols: Mapping[str, Any], seed: int = 0, spread: int = 3) -> dic
 
 
 def instantiate_value(v: Any, values: Mapping[str, int]) -> Any:
-    if isinstance(v, dims.Sym):
-        return dims.substitute(v, dict(values))
+    if isinstance(v, sizes.Sym):
+        return sizes.substitute(v, dict(values))
     if isinstance(v, (list, tuple)):
         return type(v)(instantiate_value(x, values) for x in v)
     if isinstance(v, dict):

@@ -50,8 +50,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from refine.expr import parse_sexps
 from refine.format import InputError
+from refine.ir.term import parse_sexps
 from refine.opset import Op, Registry, Rule, builtin_rules_dir, load_registry
 
 FORMAT = 1
@@ -342,7 +342,7 @@ def _check_ops(registry: Registry, ops: list[Op]) -> list[Finding]:
 def _samples(op: Op) -> list[tuple[list[Any], dict[str, Any]]]:
     """Arguments refine can make for any op: same-shape float tensors and each value of the
     `dim` attributes (optional attributes left out); none when another attribute is needed."""
-    from refine.ir import TensorType
+    from refine.ir.graph import TensorType
 
     if any(k != "dim" and not k.endswith("?") for _, k in op.attrs):
         return []
@@ -365,7 +365,7 @@ def _try_op(registry: Registry, op: Op, where: str, item: str) -> list[Finding]:
     import torch
 
     from refine.evaluate import canon, close, eval_graph, max_err
-    from refine.ir import Graph, Input, Node, Output
+    from refine.ir.graph import Graph, Input, Node, Output
     from refine.normalize import lower
 
     how = "alias (kind identity)" if op.kind == "identity" else "decomposition" if op.decompose else ""

@@ -33,7 +33,7 @@ from refine.evaluate import (
     random_inputs,
     valuation,
 )
-from refine.ir import Dist, Graph, Node, case_symbols
+from refine.ir.graph import Dist, Graph, Node, case_symbols
 from refine.opset import Registry
 
 MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)

@@ -27,9 +27,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
-from refine import dims
-from refine.expr import LayoutSyntaxError, parse_layout
-from refine.ir import (
+from refine.ir import sizes
+from refine.ir.graph import (
     DTYPES,
     VALUE_CLASSES,
     Define,
@@ -46,6 +45,7 @@ from refine.ir import (
     narrowing,
     value_class,
 )
+from refine.ir.term import LayoutSyntaxError, parse_layout
 from refine.normalize import normalize_attrs
 from refine.opset import Op, Registry, ShapeError
 
@@ -104,7 +104,7 @@ def _json_type(v: Any) -> str:
 class _Ctx:
     def __init__(self, file: str) -> None:
         self.file = file
-        self.symbols: dict[str, dims.Sym] = {}
+        self.symbols: dict[str, sizes.Sym] = {}
         # types read so far, by their shape of plain ints and dtype: most tensors share a few
         # (read once, and one object: a million-node graph holds a few thousand types)
         self.types: dict[tuple[tuple[int, ...], str], TensorType] = {}
@@ -251,7 +251,7 @@ def _header(c: _Ctx, doc: Any, kind: str) -> None:
     c.fields(doc, "$", kind)
 
 
-def _symbols(c: _Ctx, doc: dict[str, Any], inherited: dict[str, dims.Sym]) -> dict[str, dims.Sym]:
+def _symbols(c: _Ctx, doc: dict[str, Any], inherited: dict[str, sizes.Sym]) -> dict[str, sizes.Sym]:
     """`symbols`: name -> {min, multiple_of}. A name the sequential file declares must mean
     the same in the distributed one."""
     out = dict(inherited)
@@ -266,9 +266,9 @@ def _symbols(c: _Ctx, doc: dict[str, Any], inherited: dict[str, dims.Sym]) -> di
             raise c.fail(f"{at}.min", f"a size is never negative; min must be at least 0, got {lo}")
         if step < 1:
             raise c.fail(f"{at}.multiple_of", f"multiple_of must be at least 1, got {step}")
-        s = dims.sym(name, lo, step)
+        s = sizes.sym(name, lo, step)
         if name in inherited and inherited[name] != s:
-            old = dims.atoms_of(inherited[name])[name]
+            old = sizes.atoms_of(inherited[name])[name]
             raise c.fail(at, f"symbol {name!r} is declared with min {lo}, multiple_of {step} here but with "
                              f"min {old.min}, multiple_of {old.multiple} in the sequential file")
         out[name] = s
@@ -279,11 +279,11 @@ def _dim(c: _Ctx, v: Any, where: str, allow_minus_one: bool = False) -> Any:
     """A size: a non-negative integer, or an expression over the declared symbols."""
     if isinstance(v, str):
         try:
-            d = dims.parse(v, c.symbols)
+            d = sizes.parse(v, c.symbols)
         except ValueError as e:
             known = ", ".join(sorted(c.symbols)) or "none declared"
             raise c.fail(where, f"cannot read size {v!r}: {e} (symbols: {known})") from None
-        if not dims.ge(d, 0):
+        if not sizes.ge(d, 0):
             raise c.fail(where, f"size {v!r} is not provably non-negative for every value of its symbols")
         return d
     if not _is_int(v) or (v < 0 and not (allow_minus_one and v == -1)):

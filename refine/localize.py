@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from fractions import Fraction
 
-from refine.expr import Term
-from refine.ir import Dist, Graph, Node, tensor_name
+from refine.ir.graph import Dist, Graph, Node, tensor_name
+from refine.ir.term import Term
 from refine.normalize import lower
 from refine.opset import Registry
 from refine.prove import Inference

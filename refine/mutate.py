@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine import dims
 from refine.evaluate import (
     EvalError,
     Tensor,
@@ -59,9 +58,10 @@ from refine.evaluate import (
     max_err,
     random_inputs,
 )
-from refine.expr import LEAF_OPS, Term, cat, cat_parts, parse_layout
 from refine.format import InputError, load_dist, read_json
-from refine.ir import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
+from refine.ir import sizes
+from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
+from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
 from refine.normalize import normalize_attrs
 from refine.opset import Registry, load_registry
 from refine.relate import placed_terms
@@ -165,7 +165,7 @@ def _reroute(g: Doc, old: str, new: str, after: int) -> None:
 def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
-    return str(v) if isinstance(v, dims.Sym) else v
+    return str(v) if isinstance(v, sizes.Sym) else v
 
 
 def _new_node(registry: Registry, name: str, op: str, args: list[Any], attrs: dict[str, Any],
@@ -556,7 +556,7 @@ EXTRA_OPERATORS: dict[str, Edit] = {
 
 
 def _layout_text(t: Term) -> str:
-    """A term in the relation language (`refine.expr.parse_layout` reads it back)."""
+    """A term in the relation language (`refine.ir.term.parse_layout` reads it back)."""
     if t.op in LEAF_OPS:
         return str(t.attrs[0])
     args = [_layout_text(a) for a in t.args]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from refine.dims import Sym
-from refine.ir import Arg, Graph, Node, TensorType, narrowing, value_class
+from refine.ir.graph import Arg, Graph, Node, TensorType, narrowing, value_class
+from refine.ir.sizes import Sym
 from refine.opset import Op, Registry, ShapeError
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from refine.expr import parse_sexps
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
+from refine.ir.term import parse_sexps
 
 # Attribute kinds and the egglog sort each one becomes. A `size` (a tensor extent or an
 # offset along a dim) is a `Dim`: i64 when every shape is concrete, a PyObject holding an
-# int or a `refine.dims.Sym` when some are symbolic (see `compile_text`).
+# int or a `refine.ir.sizes.Sym` when some are symbolic (see `compile_text`).
 ATTR_SORTS = {
     "int": "i64",
     "size": "Dim",
@@ -304,7 +304,7 @@ def rule(name: str, query: list[str], actions: list[str], doc: str = "", symboli
 # division), test them with (d< a b) (d<= a b) (d> a b) (d>= a b) (d!= a b) and
 # (d-divides k n), and write size literals as (dim 3). Equal sizes are equal values, so
 # `=` and repeated pattern variables need no macro. With concrete shapes these are i64
-# primitives; with symbolic ones, calls into `refine.dims`, whose tests hold only when
+# primitives; with symbolic ones, calls into `refine.ir.sizes`, whose tests hold only when
 # proven for every value of the symbols (Z3 decides what the fast check cannot).
 
 _I64 = {"d+": "+", "d-": "-", "d*": "*", "d/": "/", "d<": "<", "d<=": "<=", "d>": ">", "d>=": ">=", "d!=": "!="}
@@ -315,7 +315,7 @@ _PY_TEST = {"d<": "lt", "d<=": "le", "d>": "gt", "d>=": "ge", "d!=": "ne", "d-di
 def dims_prelude() -> str:
     """The egglog globals the symbolic macros call."""
     names = sorted(set(_PY_VALUE.values()) | set(_PY_TEST.values()))
-    return "\n".join(f"(let $dims_{n} (py-eval \"__import__('refine.dims', fromlist=['{n}']).{n}\" "
+    return "\n".join(f"(let $dims_{n} (py-eval \"__import__('refine.ir.sizes', fromlist=['{n}']).{n}\" "
                      "(py-dict) (py-dict)))" for n in names)
 
 

@@ -9,12 +9,12 @@ inputs. Such relations are refused.
 
 A rank element may be read more than once for the same sequential element: the replicas
 of a relation (the same tensor held by other ranks, or the same rank's tensor read by each
-replica at the same place) state equalities of rank tensors only. A define (`refine.ir.Define`)
+replica at the same place) state equalities of rank tensors only. A define (`refine.ir.graph.Define`)
 gives a rank input from sequential inputs and may repeat a region of them (copies of a KV
 head): that also constrains the ranks only, and is not looked at here.
 
 Each read is a box of a rank tensor (an interval per dim, symbolic sizes compared by proof,
-`refine.dims`) with the map that places it in the sequential tensor: a translation and a
+`refine.ir.sizes`) with the map that places it in the sequential tensor: a translation and a
 permutation of dims through cat, slice and transpose. Under any other op (a view) the map
 is opaque: two reads of it are the same only if the path to them is. When a comparison is
 not proven, the reads are taken to overlap and to map differently: refused, never assumed.
@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from refine import dims
-from refine.expr import LEAF_OPS, NARY, Term
+from refine.ir import sizes
+from refine.ir.term import LEAF_OPS, NARY, Term
 
 Box = tuple[tuple[Any, Any], ...]  # [start, end) per dim
 # per dim of a term, (dim of the sequential tensor, offset): seq[dim] = coord + offset;
@@ -55,7 +55,7 @@ def reads(t: Term, shape_of: Callable[[Term], tuple[Any, ...]], claim: int = 0, 
 
 def _walk(t: Term, box: Box, place: Map, shape_of: Callable[[Term], tuple[Any, ...]], claim: int, term: int,
           out: list[Read]) -> None:
-    if any(dims.le(hi, lo) for lo, hi in box):
+    if any(sizes.le(hi, lo) for lo, hi in box):
         return  # reads nothing
     if t.op in LEAF_OPS:
         out.append(Read(t.attrs[0], box, place, claim, term))
@@ -74,7 +74,7 @@ def _walk(t: Term, box: Box, place: Map, shape_of: Callable[[Term], tuple[Any, .
             sub = _clip(box, d, at, size)
             if sub is not None:
                 _walk(a, sub, _path(place, t, i) if opaque else _move(place, d, at), shape_of, claim, term, out)
-            at = dims.add(at, size)
+            at = sizes.add(at, size)
         return
     if t.op == "transpose":
         i, j = t.attrs
@@ -103,13 +103,13 @@ def _path(place: Map, t: Term, i: int) -> Map:
 
 
 def _shift(box: Box, d: int, s: Any) -> Box:
-    return tuple((dims.add(lo, s), dims.add(hi, s)) if k == d else (lo, hi) for k, (lo, hi) in enumerate(box))
+    return tuple((sizes.add(lo, s), sizes.add(hi, s)) if k == d else (lo, hi) for k, (lo, hi) in enumerate(box))
 
 
 def _move(place: Map, d: int, by: Any) -> Map:
     """The place of an argument at `by` along dim d of the term (a term coordinate is the
     argument's plus `by`): its offset grows by `by`."""
-    return tuple((sd, dims.add(off, by)) if k == d else (sd, off) for k, (sd, off) in enumerate(place))
+    return tuple((sd, sizes.add(off, by)) if k == d else (sd, off) for k, (sd, off) in enumerate(place))
 
 
 def _swap(xs: tuple[Any, ...], i: int, j: int) -> tuple[Any, ...]:
@@ -123,16 +123,16 @@ def _clip(box: Box, d: int, at: Any, size: Any) -> Box | None:
     piece's coordinates; None when provably none does. An unproven bound keeps the piece's
     own (a larger box: conservative)."""
     lo, hi = box[d]
-    end = dims.add(at, size)
-    if dims.le(hi, at) or dims.le(end, lo):
+    end = sizes.add(at, size)
+    if sizes.le(hi, at) or sizes.le(end, lo):
         return None
-    new_lo = dims.sub(lo, at) if dims.le(at, lo) else 0
-    new_hi = dims.sub(hi, at) if dims.le(hi, end) else size
+    new_lo = sizes.sub(lo, at) if sizes.le(at, lo) else 0
+    new_hi = sizes.sub(hi, at) if sizes.le(hi, end) else size
     return tuple((new_lo, new_hi) if k == d else b for k, b in enumerate(box))
 
 
 def _disjoint(a: Box, b: Box) -> bool:
-    return any(dims.le(h1, l2) or dims.le(h2, l1) for (l1, h1), (l2, h2) in zip(a, b, strict=True))
+    return any(sizes.le(h1, l2) or sizes.le(h2, l1) for (l1, h1), (l2, h2) in zip(a, b, strict=True))
 
 
 def _same_place(a: Read, b: Read) -> bool:
@@ -140,7 +140,7 @@ def _same_place(a: Read, b: Read) -> bool:
         return False
     if a.place[:1] == ("opaque",) or b.place[:1] == ("opaque",):
         return a.place == b.place
-    return all(x[0] == y[0] and dims.eq(x[1], y[1]) for x, y in zip(a.place, b.place, strict=True))
+    return all(x[0] == y[0] and sizes.eq(x[1], y[1]) for x, y in zip(a.place, b.place, strict=True))
 
 
 def conflict(all_reads: list[Read]) -> tuple[Read, Read] | None:

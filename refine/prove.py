@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from refine.egg import bindings
-from refine.expr import (
+from refine.ir.graph import Graph, Node
+from refine.ir.term import (
     LEAF_OPS,
     NARY,
     OPAQUE,
@@ -34,7 +35,6 @@ from refine.expr import (
     quote,
     unquote,
 )
-from refine.ir import Graph, Node
 from refine.opset import (
     ATTR_SORTS,
     COMPUTE,
@@ -135,7 +135,7 @@ class StepResult:
 @dataclass
 class Engine:
     registry: Registry
-    symbolic: bool = False  # sizes are PyObjects (ints or refine.dims.Sym), not i64
+    symbolic: bool = False  # sizes are PyObjects (ints or refine.ir.sizes.Sym), not i64
     stats: dict[str, float] = field(default_factory=lambda: {"steps": 0, "seconds": 0.0, "reused": 0, "replayed": 0,
                                                              "bounded": 0})
     cache: dict[str, _Solved] = field(default_factory=dict)
@@ -860,7 +860,7 @@ FACT_RETRY_TENSORS = 128  # no retry over more tensors: aws_llama TP6's scores (
 
 
 def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
-    """Rank tensors the facts (refine.replica: a replicated slice of two ranks' fused
+    """Rank tensors the facts (refine.ir.layout: a replicated slice of two ranks' fused
     weights) make equal as whole tensors: a slice, on two ranks, of what each computes from
     its own copy (a TP4 rank's key columns of its QKV product, equal to its neighbour's).
     Candidates are the same program position on the two ranks of a fact, a slice within
@@ -1128,7 +1128,7 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
 def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str], depth: int = 0) -> None:
     """Append to `chosen` the definitions of the rank tensors the e-graph names without one
     (the leaves, what chosen definitions read) that walked ops compute from a fact's leaf
-    (refine.replica), with the chains between. A fact is told only where the e-graph holds
+    (refine.ir.layout), with the chains between. A fact is told only where the e-graph holds
     its leaves, and says nothing of a tensor computed from them whose definition is not
     stated: a relation naming one rank's broadcast of a replicated bias (`addmm.expand@1`)
     next to a rank's sum with its own (`addmm.expand@0`) is proven only through both
@@ -1209,7 +1209,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
           hops: tuple[int, ...] = (3, 8), replay: bool = True) -> Inference:
     """Relate every sequential node, in topological order. A node with no clean relation
     keeps its best term for the report, but the nodes using it see it as an opaque leaf
-    (expr.OPAQUE): an unclean term carried along would grow with every op after it and
+    (refine.ir.term.OPAQUE): an unclean term carried along would grow with every op after it and
     make each later e-graph larger, while it is already known not to be what the ranks
     hold. A node over an opaque input gets no wider retry: it cannot become clean by
     finding more rank tensors for the inputs that are clean. The exception is a fused op
@@ -1420,7 +1420,7 @@ def _counterparts(prog: DistProgram, op: str, leaves: set[str], tensors: list[st
 
 def _with_replicas(prog: DistProgram, leaves: set[str]) -> set[str]:
     """The leaves, the rank tensors equal to them, and those a fact relates a part of them
-    to (refine.replica): a rank's use of its copy of a replicated slice is in reach."""
+    to (refine.ir.layout): a rank's use of its copy of a replicated slice is in reach."""
     out: set[str] = set()
     for x in leaves:
         out.update(prog.same.group(x))

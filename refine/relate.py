@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
 from refine.format import InputError
-from refine.ir import (
+from refine.ir.graph import (
     Dist,
     Graph,
     Mesh,
@@ -27,10 +26,11 @@ from refine.ir import (
     tensor_name,
     value_class,
 )
+from refine.ir.layout import join_replicas
+from refine.ir.term import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
 from refine.normalize import lower
 from refine.opset import Registry, ShapeError
 from refine.overlap import Read, conflict, reads, show_box
-from refine.replica import join_replicas
 
 
 class UnionFind:
@@ -76,9 +76,9 @@ class DistProgram:
     users: dict[str, list[str]] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # "name@r" of a rank output -> tensor
     same: UnionFind = field(default_factory=UnionFind)
-    opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (expr.OPAQUE)
+    opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (refine.ir.term.OPAQUE)
     constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.is_constant
-    # equalities of terms over rank inputs that hold of parts only (refine.replica): a slice
+    # equalities of terms over rank inputs that hold of parts only (refine.ir.layout): a slice
     # of one rank's fused weight equal to the same slice of another's. A step whose e-graph
     # names a leaf of one is told it (refine.prove)
     facts: list[tuple[Term, Term]] = field(default_factory=list)
@@ -241,7 +241,7 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
     _disjoint_claims(claims, prog, registry, file)
     for d in dist.defines:
         # the defined rank input equals its define over the sequential inputs' relations: a
-        # fact (refine.replica's kind), told to every step whose e-graph names one of its
+        # fact (refine.ir.layout's kind), told to every step whose e-graph names one of its
         # leaves (a padded shard is its real part, a slice of itself, and zeros)
         prog.add_fact(leaf(tensor_name(d.rank, d.input)), _structural(_substitute(d.term, out), prog, registry))
     join_congruent(prog)

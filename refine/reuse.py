@@ -43,7 +43,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from refine.expr import OPAQUE, Term
+from refine.ir.term import OPAQUE, Term
 
 if TYPE_CHECKING:
     from refine.prove import StepResult

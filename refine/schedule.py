@@ -49,7 +49,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from refine.ir import Graph, Node
+from refine.ir.graph import Graph, Node
 from refine.opset import Registry
 from refine.report import Stuck
 

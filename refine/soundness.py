@@ -42,8 +42,8 @@ import torch
 from egglog import bindings
 
 from refine.evaluate import close, eval_term, helper_sorts, max_err
-from refine.expr import Term, lit, parse_sexp, quote
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
+from refine.ir.term import Term, lit, parse_sexp, quote
 from refine.opset import Registry, Rule, ShapeError, compile_text, load_registry
 
 ITERATIONS = 3

@@ -29,8 +29,8 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import F, torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 

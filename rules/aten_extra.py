@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import Op, ShapeError
 

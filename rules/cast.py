@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import Arg, TensorType, narrowing, value_class
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType, narrowing, value_class
+from refine.ir.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 

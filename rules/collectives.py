@@ -10,10 +10,10 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine import dims
-from refine.expr import Term, cat, nary, scale
-from refine.ir import TensorType
-from refine.lazy import torch
+from refine.ir import sizes
+from refine.ir.graph import TensorType
+from refine.ir.lazy import torch
+from refine.ir.term import Term, cat, nary, scale
 from refine.opset import Op, ShapeError
 
 REDUCE_OPS = ("sum", "avg", "max")
@@ -57,10 +57,10 @@ def _reduce_scatter_shape(ins: list[TensorType], attrs: dict[str, Any]) -> Tenso
     (x,) = ins
     n, d = len(_group(attrs)), attrs["dim"]
     _reduce_op(attrs)
-    if not dims.divides(n, x.shape[d]):
+    if not sizes.divides(n, x.shape[d]):
         raise ShapeError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks")
     s = list(x.shape)
-    s[d] = dims.exact_div(s[d], n)
+    s[d] = sizes.exact_div(s[d], n)
     return TensorType(tuple(s), x.dtype)
 
 
@@ -68,10 +68,10 @@ def _all_to_all_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorTyp
     (x,) = ins
     n = len(_group(attrs))
     sd, cd = attrs["split_dim"], attrs["concat_dim"]
-    if not dims.divides(n, x.shape[sd]):
+    if not sizes.divides(n, x.shape[sd]):
         raise ShapeError(f"all_to_all splits dim {sd} (size {x.shape[sd]}) over {n} ranks")
     s = list(x.shape)
-    s[sd] = dims.exact_div(s[sd], n)
+    s[sd] = sizes.exact_div(s[sd], n)
     s[cd] *= n
     return TensorType(tuple(s), x.dtype)
 
@@ -91,12 +91,12 @@ def _lower_all_gather(xs: list[Term], i: int, attrs: dict[str, Any]) -> Term:
 
 
 def _lower_reduce_scatter(xs: list[Term], i: int, attrs: dict[str, Any], size: Any) -> Term:
-    c = dims.exact_div(size, len(xs))
+    c = sizes.exact_div(size, len(xs))
     return Term("slice", (_reduce(xs, attrs.get("reduce_op", "sum")),), (attrs["dim"], i * c, (i + 1) * c))
 
 
 def _lower_all_to_all(xs: list[Term], i: int, attrs: dict[str, Any], size: Any) -> Term:
-    c = dims.exact_div(size, len(xs))
+    c = sizes.exact_div(size, len(xs))
     sd = attrs["split_dim"]
     return cat([Term("slice", (x,), (sd, i * c, (i + 1) * c)) for x in xs], attrs["concat_dim"])
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine import dims
-from refine.ir import Arg, TensorType, value_class
-from refine.lazy import torch
+from refine.ir import sizes
+from refine.ir.graph import Arg, TensorType, value_class
+from refine.ir.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
 
@@ -22,10 +22,10 @@ from refine.opset import Op, Rule, ShapeError, rewrite, rule
 def _arange_len(start: Any, end: Any, step: int) -> Any:
     if type(step) is not int or step < 1:
         raise ShapeError(f"arange step must be a positive integer, got {step!r}")
-    if not dims.le(start, end):
+    if not sizes.le(start, end):
         raise ShapeError(f"arange from {start} to {end}: end must be provably at least start")
     # ceil((end - start) / step), exactly as the egglog shape rule computes it
-    return dims.div(dims.add(dims.sub(end, start), step - 1), step)
+    return sizes.div(sizes.add(sizes.sub(end, start), step - 1), step)
 
 
 def _arange_c_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

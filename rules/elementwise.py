@@ -12,8 +12,8 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from refine.ir import VALUE_CLASSES, Arg, Node, TensorType, value_class
-from refine.lazy import F, torch
+from refine.ir.graph import VALUE_CLASSES, Arg, Node, TensorType, value_class
+from refine.ir.lazy import F, torch
 from refine.normalize import Builder, rational
 from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType
-from refine.lazy import torch
+from refine.ir.graph import TensorType
+from refine.ir.lazy import torch
 from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 

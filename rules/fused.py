@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from refine.expr import Term, nary
+from refine.ir.term import Term, nary
 from refine.opset import Rule, rule
 
 

@@ -26,8 +26,8 @@ import math
 import string
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import Op, ShapeError
 

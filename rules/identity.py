@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType, narrowing
+from refine.ir.graph import TensorType, narrowing
 from refine.opset import Op, ShapeError
 
 

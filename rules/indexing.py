@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine import dims
-from refine.ir import Arg, Node, TensorType
-from refine.lazy import torch
+from refine.ir import sizes
+from refine.ir.graph import Arg, Node, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder, UnsupportedOp
 from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
@@ -34,7 +34,7 @@ def _check_index(x: TensorType, idx: TensorType, d: int, what: str) -> None:
     if idx.dtype not in INT_DTYPES[:2]:
         raise ShapeError(f"{what} index must be an integer tensor, got {idx.dtype}")
     for i in range(x.ndim):
-        if i != d and not dims.le(idx.shape[i], x.shape[i]):
+        if i != d and not sizes.le(idx.shape[i], x.shape[i]):
             raise ShapeError(f"{what}: index {list(idx.shape)} is larger than input {list(x.shape)} on dim {i}")
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder
 from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import Term
+from refine.ir.term import Term
 from refine.opset import HELPER, Rule, rewrite, rule
 
 ZERO = "(full 0.0 s)"

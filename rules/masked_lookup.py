@@ -24,9 +24,9 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import Term
-from refine.ir import TensorType
-from refine.lazy import torch
+from refine.ir.graph import TensorType
+from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.opset import Op, Rule, ShapeError, rule
 
 _MASK = "(= m (logical_or_t (lt_t t (full lo sh)) (ge_t t (full hi sh))))"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder, rational
 from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, matmul_shape, rewrite, rule
 

@@ -14,14 +14,14 @@ a rank tensor's unmerged form read back by the inverse view (`view-inverse-rank`
 
 `v = view(x, s)` merges x's dims p, p+1 into s's dim p when s is x's shape with those two
 entries replaced by their product: the test is exact shape arithmetic (`d*`), so with
-symbolic sizes it holds for every value of the symbols (refine.dims).
+symbolic sizes it holds for every value of the symbols (refine.ir.sizes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from refine.expr import Term
+from refine.ir.term import Term
 from refine.opset import Rule, rule
 
 MAX_MERGE_DIM = 3  # templates for a merged dim at 0..2 (merged tensors of up to 4 dims: what the seeds exercise)

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine import dims
-from refine.ir import Arg, Node, TensorType
-from refine.lazy import torch
+from refine.ir import sizes
+from refine.ir.graph import Arg, Node, TensorType
+from refine.ir.lazy import torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
 
@@ -55,7 +55,7 @@ def _topk_shape(index: bool) -> Any:
         (x,) = ins
         d, k = attrs["dim"], attrs["k"]
         _dim_ok(x, d, "topk")
-        if not (dims.le(1, k) and dims.le(k, x.shape[d])):
+        if not (sizes.le(1, k) and sizes.le(k, x.shape[d])):
             raise ShapeError(f"topk of {k} along dim {d} of {list(x.shape)}")
         s = list(x.shape)
         s[d] = k
@@ -79,7 +79,7 @@ def _check_scatter(idx: TensorType, src: TensorType, target: tuple[Any, ...], d:
     if len(target) != idx.ndim or not 0 <= d < idx.ndim:
         raise ShapeError(f"{what} into {list(target)} on dim {d} with index {list(idx.shape)}")
     for i in range(idx.ndim):
-        if i != d and not dims.le(idx.shape[i], target[i]):
+        if i != d and not sizes.le(idx.shape[i], target[i]):
             raise ShapeError(f"{what}: index {list(idx.shape)} is larger than the target {list(target)} on dim {i}")
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from refine.ir import Arg, TensorType
-from refine.lazy import F, torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.expr import Term
+from refine.ir.term import Term
 from refine.opset import Rule, rewrite, rule
 
 ZERO = ["(= z (full v s))", "(= v 0.0)"]

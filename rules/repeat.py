@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from refine.expr import Term
+from refine.ir.term import Term
 from refine.opset import Rule, rewrite, rule
 
 MAX_REPEAT_DIM = 4  # templates for the repeated dim d = 0..3 (HF: 1, HLO's Llama: 2)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from refine import dims
-from refine.ir import Arg, TensorType
+from refine.ir import sizes
+from refine.ir.graph import Arg, TensorType
 from refine.normalize import Builder, normalize_dim
 from refine.opset import Op, Rule, ShapeError, rule
 
@@ -18,9 +18,9 @@ def _resolve(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:
         raise ShapeError(f"shape {list(shape)} has more than one -1")
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
-        if known == 0 or not dims.divides(known, numel):
+        if known == 0 or not sizes.divides(known, numel):
             raise ShapeError(f"cannot infer -1 in {list(shape)} for {numel} elements")
-        shape = tuple(dims.exact_div(numel, known) if s == -1 else s for s in shape)
+        shape = tuple(sizes.exact_div(numel, known) if s == -1 else s for s in shape)
     if math.prod(shape) != numel:
         raise ShapeError(f"shape {list(shape)} does not hold {numel} elements")
     return shape

@@ -1,6 +1,6 @@
 """Structural ops: the relation language (concat, slice, sum, scale, views) and its algebra.
 
-`cat` is binary; a concat of n pieces is a balanced tree of them (`refine.expr.cat`), so a
+`cat` is binary; a concat of n pieces is a balanced tree of them (`refine.ir.term.cat`), so a
 rule that splits a tensor along a concat recurses on both sides and reaches the pieces in
 log2(n) rewrites; the rules work for any nesting and any number of ranks. `Sum` and `Max` take a multiset, so the order of terms never matters.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import Term, split_point
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
+from refine.ir.term import Term, split_point
 from refine.normalize import Builder
 from refine.opset import HELPER, Op, ShapeError, rewrite, rule
 
@@ -97,7 +97,7 @@ def _concat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 def _concat(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    # binary concats nested as refine.expr.cat nests relations (a balanced tree)
+    # binary concats nested as refine.ir.term.cat nests relations (a balanced tree)
     xs = [a for a in args if isinstance(a, str)]
     if len(xs) != len(args):
         raise ShapeError("concat takes tensors only")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
 from refine.opset import Op
 
 

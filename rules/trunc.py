@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir import TensorType
-from refine.lazy import torch
+from refine.ir.graph import TensorType
+from refine.ir.lazy import torch
 from refine.opset import Op, ShapeError
 
 

@@ -20,9 +20,9 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from refine.expr import Term
-from refine.ir import Arg, TensorType
-from refine.lazy import torch
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.normalize import Builder
 from refine.opset import Op, Rule, ShapeError, rewrite, rule
 

@@ -41,9 +41,9 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from refine import dims
-from refine.ir import Arg, TensorType
-from refine.lazy import F, torch
+from refine.ir import sizes
+from refine.ir.graph import Arg, TensorType
+from refine.ir.lazy import F, torch
 from refine.normalize import Builder
 from refine.opset import Op, ShapeError
 
@@ -83,9 +83,9 @@ def _residual_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 def _silu_mul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     (x,) = ins
-    if x.ndim < 1 or not dims.divides(2, x.shape[-1]):
+    if x.ndim < 1 or not sizes.divides(2, x.shape[-1]):
         raise ShapeError(f"silu_and_mul of {list(x.shape)}: the last dim must be even")
-    return TensorType(x.shape[:-1] + (dims.exact_div(x.shape[-1], 2),), x.dtype)
+    return TensorType(x.shape[:-1] + (sizes.exact_div(x.shape[-1], 2),), x.dtype)
 
 
 def _silu_mul_ref(x):
@@ -107,8 +107,8 @@ def _silu_mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorTyp
 
 def _heads(x: TensorType, hs: Any) -> tuple[Any, Any]:
     """(tokens, heads) of a [tokens, heads * hs] or [tokens, heads, hs] tensor."""
-    if x.ndim == 2 and dims.divides(hs, x.shape[1]):
-        return x.shape[0], dims.exact_div(x.shape[1], hs)
+    if x.ndim == 2 and sizes.divides(hs, x.shape[1]):
+        return x.shape[0], sizes.exact_div(x.shape[1], hs)
     if x.ndim == 3 and x.shape[2] == hs:
         return x.shape[0], x.shape[1]
     raise ShapeError(f"rotary embedding of {list(x.shape)} with head_size {hs}")
@@ -119,7 +119,7 @@ def _rope_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     hs = attrs["head_size"]
     t, _ = _heads(x, hs)
     rot = cache.shape[1] if cache.ndim == 2 else None
-    if pos.shape != (t,) or rot is None or not dims.divides(2, rot) or not dims.le(rot, hs):
+    if pos.shape != (t,) or rot is None or not sizes.divides(2, rot) or not sizes.le(rot, hs):
         raise ShapeError(f"rotary embedding: positions {list(pos.shape)}, cache {list(cache.shape)}, "
                          f"x {list(x.shape)}, head_size {hs}")
     if not pos.dtype.startswith(("int", "uint")):
@@ -149,7 +149,7 @@ def _rope(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
     hs = attrs["head_size"]
     t, nh = _heads(b.type(x), hs)
     rot = b.type(cache).shape[1]
-    half = dims.exact_div(rot, 2)
+    half = sizes.exact_div(rot, 2)
     xs = b.view(x, (t, nh, hs))
     cs = b.emit("embedding", [cache, pos], {})  # [t, rot]: cache rows at the positions
 
@@ -184,7 +184,7 @@ def _rope(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
 def _attn_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     q, k, v = ins
     if q.ndim != 3 or k.shape != v.shape or k.ndim != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] \
-            or not dims.divides(k.shape[1], q.shape[1]):
+            or not sizes.divides(k.shape[1], q.shape[1]):
         raise ShapeError(f"attention of q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     return q
 
@@ -204,7 +204,7 @@ def _attn(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -
     assert isinstance(q, str) and isinstance(k, str) and isinstance(v, str)
     t, nh, hd = b.type(q).shape
     nkv = b.type(k).shape[1]
-    g = dims.exact_div(nh, nkv)
+    g = sizes.exact_div(nh, nkv)
 
     def heads_first(x: str, n: Any) -> str:  # [t, n, hd] -> [nh, t, hd], kv heads repeated
         y = b.transpose(x, 0, 1)

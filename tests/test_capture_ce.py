@@ -29,7 +29,7 @@ from refine.evaluate import (
     expected_terms,
     random_inputs,
 )
-from refine.ir import Graph, Input, Node, Output, TensorType
+from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.normalize import lower
 from refine.opset import load_registry
 from refine.prove import Engine

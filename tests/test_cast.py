@@ -12,7 +12,7 @@ from torch import nn
 from refine import capture
 from refine.capture import CaptureError
 from refine.evaluate import differential
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
 from refine.opset import ShapeError, load_registry
 from refine.soundness import Harness
 

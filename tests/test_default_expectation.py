@@ -91,7 +91,7 @@ def test_expected_concat_matches_the_best_term_in_any_nesting() -> None:
     (a grown step e-graph declares rules in another order: MoE EP on four ranks); concat is
     associative, so that is the same tensor. Other dims, orders or pieces are not."""
     from refine.check import _held
-    from refine.expr import Term, cat, leaf, nary
+    from refine.ir.term import Term, cat, leaf, nary
 
     a, b, c, d = (leaf(f"g@{r}") for r in range(4))
     right = Term("cat", (a, Term("cat", (b, Term("cat", (c, d), (0,))), (0,))), (0,))

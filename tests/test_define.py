@@ -16,8 +16,8 @@ import torch
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
 from refine.evaluate import differential, random_inputs
-from refine.expr import LayoutSyntaxError, Term, leaf, parse_layout
 from refine.format import InputError, load_dist, load_seq
+from refine.ir.term import LayoutSyntaxError, Term, leaf, parse_layout
 from refine.opset import load_registry
 
 REG = load_registry()

@@ -11,8 +11,8 @@ from fractions import Fraction
 import pytest
 from egglog import bindings
 
-from refine import dims
-from refine.dims import (
+from refine.ir import sizes
+from refine.ir.sizes import (
     Dim,
     Sym,
     add,
@@ -155,7 +155,7 @@ def test_comparisons_that_need_z3() -> None:
     # S*S - 3*S + 2 = (S-1)(S-2) >= 0 on integers, but the shifted polynomial t*t - t is
     # negative at t = 1/2, so the coefficient check alone cannot prove it.
     p = S * S - 3 * S + 2
-    assert isinstance(p, Sym) and not dims._fast_nonneg(p, False)
+    assert isinstance(p, Sym) and not sizes._fast_nonneg(p, False)
     assert le(3 * S - 2, S * S)
     assert not le(4 * S - 3, S * S)  # S = 2: 5 > 4
     # Parity: 2*S is never 3; a square is never 2.
@@ -199,7 +199,7 @@ def test_comparisons_are_sound_on_random_polynomials() -> None:
 def test_exact_division_respects_multiples() -> None:
     s4 = sym("S", multiple=4)
     assert integral(exact_div(s4, 2)) and integral(3) and integral(div(S, 2))
-    assert not integral(Sym((((("S", 1),), Fraction(1, 2)),), (dims.Atom("S"),)))
+    assert not integral(Sym((((("S", 1),), Fraction(1, 2)),), (sizes.Atom("S"),)))
     half = exact_div(s4, 2)
     assert isinstance(half, Sym) and half.terms[0][1] == Fraction(1, 2)
     assert mul(half, 2) == s4 and substitute(half, {"S": 12}) == 6
@@ -299,7 +299,7 @@ def test_loads_rejects_non_sizes_and_non_canonical_syms() -> None:
     with pytest.raises(ValueError):
         loads(b64(True))
     # Hand-built Sym pickles bypassing the arithmetic: constant, unsorted, zero coefficient.
-    a = dims.Atom("S")
+    a = sizes.Atom("S")
     one = Fraction(1)
     for terms in [(((), one),), ((((("S", 1),), one)), ((), one)),
                   (((("S", 1),), Fraction(0)),)]:
@@ -318,7 +318,7 @@ def test_egglog_sees_equal_syms_as_equal() -> None:
     prog = f"""
     (sort T)
     (constructor L (PyObject) T)
-    (let $dadd (py-eval "__import__('refine.dims', fromlist=['add']).add" (py-dict) (py-dict)))
+    (let $dadd (py-eval "__import__('refine.ir.sizes', fromlist=['add']).add" (py-dict) (py-dict)))
     (let $x (L (py-call $dadd (py-object "{dumps(S)}") (py-object "{dumps(S)}"))))
     (check (= $x (L (py-object "{dumps(2 * S)}"))))
     """
@@ -328,8 +328,8 @@ def test_egglog_sees_equal_syms_as_equal() -> None:
 
 
 def test_divides() -> None:
-    s = dims.sym("S", multiple=4)
-    t = dims.sym("T")
-    assert dims.divides(2, s) and dims.divides(4, 3 * s) and not dims.divides(8, s)
-    assert not dims.divides(2, t) and dims.divides(t, t * s) and not dims.divides(0, 0)
-    assert dims.divides(3, 12) and not dims.divides(5, 12)
+    s = sizes.sym("S", multiple=4)
+    t = sizes.sym("T")
+    assert sizes.divides(2, s) and sizes.divides(4, 3 * s) and not sizes.divides(8, s)
+    assert not sizes.divides(2, t) and sizes.divides(t, t * s) and not sizes.divides(0, 0)
+    assert sizes.divides(3, 12) and not sizes.divides(5, 12)

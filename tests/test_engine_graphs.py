@@ -110,7 +110,7 @@ def test_grown_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monkey
 
 
 def test_a_refining_check_does_not_import_torch() -> None:
-    """Rule families import torch from refine.lazy (their numeric references import it when
+    """Rule families import torch from refine.ir.lazy (their numeric references import it when
     called): a rule family with a plain `import torch` makes every check pay ~1 s for it."""
     code = ("import sys\nfrom refine.check import check_files\n"
             f"r = check_files({str(MODELS / 'sp_mlp' / 'seq.json')!r}, {str(MODELS / 'sp_mlp' / 'dist.json')!r})\n"
@@ -120,7 +120,7 @@ def test_a_refining_check_does_not_import_torch() -> None:
 
 
 def test_lazy_torch_calls_torch() -> None:
-    from refine.lazy import F, torch
+    from refine.ir.lazy import F, torch
 
     x = torch.tensor([1.0, -2.0], dtype=torch.float64)  # a dtype read before the call, resolved
     assert x.dtype == torch.float64

@@ -20,9 +20,9 @@ from refine.evaluate import (
     eval_term,
     random_inputs,
 )
-from refine.expr import Term, leaf, parse_layout
 from refine.format import load_dist, load_seq
-from refine.ir import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
+from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
+from refine.ir.term import Term, leaf, parse_layout
 from refine.opset import load_registry
 from refine.relate import build_program, placed_terms
 

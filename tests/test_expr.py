@@ -6,7 +6,7 @@ from fractions import Fraction
 
 from egglog import bindings
 
-from refine.expr import _read_lit, cat, cat_parts, leaf, lit, parse_layout, show
+from refine.ir.term import _read_lit, cat, cat_parts, leaf, lit, parse_layout, show
 
 
 def test_non_finite_floats_are_not_conflated_with_large_finite_ones() -> None:

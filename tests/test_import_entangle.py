@@ -263,7 +263,7 @@ def test_gpt_tp2_refines(tmp_path: Path) -> None:
 @needs_corpus
 def test_gpt_tp8_refines(tmp_path: Path) -> None:
     """Megatron GPT, one layer, TP8: the cross-entropy's softmax sums exp over a concat of 8
-    vocab shards. The concat is a balanced tree (refine.expr.cat), so splitting the sum over
+    vocab shards. The concat is a balanced tree (refine.ir.term.cat), so splitting the sum over
     it reaches the ranks' pieces in 3 levels of rewrites within a step's iteration bound (a
     right-nested chain needed 7), and the carried vocab lookup's term (a concat of 8 pieces)
     stays within CARRY_OPS, which counts no concats."""

@@ -20,8 +20,8 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.expr import parse_layout
 from refine.format import InputError
+from refine.ir.term import parse_layout
 from refine.mutate import (
     ALL_OPERATORS,
     HOSTILE_NAMES,
@@ -226,7 +226,7 @@ def test_swaps_keep_data_dependencies_and_different_groups_only() -> None:
 
 
 def _graph(nodes: list[tuple[str, str, list[str], dict[str, Any]]]) -> Any:
-    from refine.ir import Graph, Input, Node, TensorType
+    from refine.ir.graph import Graph, Input, Node, TensorType
 
     t = TensorType((2,))
     return Graph([Input("x", t)], [Node(n, op, args, attrs, t) for n, op, args, attrs in nodes])

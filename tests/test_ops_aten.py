@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from refine import dims
 from refine.build import GraphBuilder, seq_doc
 from refine.evaluate import close, eval_graph
 from refine.format import InputError, load_seq
+from refine.ir import sizes
 from refine.normalize import UnsupportedOp, lower
 from refine.opset import ShapeError, load_registry
 
@@ -89,7 +89,7 @@ def test_layer_norm_statistics(tmp_path: Path, shape: list[int], ns: list[int]) 
 
 
 def test_mean_over_a_symbolic_size_is_an_rmean(tmp_path: Path) -> None:
-    H = dims.sym("H")
+    H = sizes.sym("H")
 
     def build(g: GraphBuilder) -> None:
         x = g.input("x", [4, H, 3])
@@ -153,7 +153,7 @@ def test_arange(tmp_path: Path) -> None:
 
 
 def test_arange_symbolic_shape(tmp_path: Path) -> None:
-    T = dims.sym("T", multiple=2)
+    T = sizes.sym("T", multiple=2)
 
     def build(g: GraphBuilder) -> None:
         g.input("x", [T])

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.check import check
 from refine.evaluate import audit, differential
 from refine.format import load_dist, load_seq
+from refine.ir import sizes
 from refine.opset import load_registry
 from refine.report import Report
 
@@ -157,7 +157,7 @@ def layer_norm_sp(bug: bool, symbolic: bool = False) -> Case:
     """native_layer_norm on token shards and its decomposed backward: the weight and bias
     grads sum over tokens (all_reduce over the sequence-parallel ranks); the input grad uses
     the saved mean and rstd and stays token-sharded."""
-    T, H = (dims.sym("T", multiple=2), dims.sym("H")) if symbolic else (4, 5)
+    T, H = (sizes.sym("T", multiple=2), sizes.sym("H")) if symbolic else (4, 5)
 
     def program(g: GraphBuilder, t: Any, reduce_dw: bool, reduce_db: bool) -> None:
         x, w, dy = g.input("x", [t, H]), g.input("w", [H], role="parameter"), g.input("dy", [t, H])
@@ -202,7 +202,7 @@ def test_layer_norm_grads_under_sequence_parallelism(tmp_path: Path) -> None:
 
 
 def test_layer_norm_weight_grad_symbolic(tmp_path: Path) -> None:
-    T, H = dims.sym("T", multiple=2), dims.sym("H")
+    T, H = sizes.sym("T", multiple=2), sizes.sym("H")
     good, bug = _verdict(tmp_path, lambda bug: layer_norm_sp(bug, symbolic=True), [T, H])
     assert good.refines and good.symbols, str(good)
     assert _failing(bug) == {"dw"}, str(bug)
@@ -210,7 +210,7 @@ def test_layer_norm_weight_grad_symbolic(tmp_path: Path) -> None:
 
 def positions_sp(bug: bool, symbolic: bool = False) -> Case:
     """Position embeddings with each sequence-parallel rank building its own position ids."""
-    T, H = (dims.sym("T", multiple=2), 3) if symbolic else (6, 3)
+    T, H = (sizes.sym("T", multiple=2), 3) if symbolic else (6, 3)
     s = GraphBuilder()
     wpe = s.input("wpe", [T, H], role="parameter")
     s.output("pe", s.op("embedding", wpe, s.op("arange", end=T)))
@@ -226,7 +226,7 @@ def positions_sp(bug: bool, symbolic: bool = False) -> Case:
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_sequence_parallel_position_ids(tmp_path: Path, symbolic: bool) -> None:
-    syms = [dims.sym("T", multiple=2)] if symbolic else []
+    syms = [sizes.sym("T", multiple=2)] if symbolic else []
     good, bug = _verdict(tmp_path, lambda bug: positions_sp(bug, symbolic), syms)
     assert good.refines, str(good)
     assert not bug.refines, str(bug)
@@ -239,7 +239,7 @@ def test_sequence_parallel_position_ids(tmp_path: Path, symbolic: bool) -> None:
 def embedding_grad_dp(bug: bool, symbolic: bool = False) -> Case:
     """aten's embedding backward: mask padding/out-of-range ids, clamp, accumulate the rows
     into zeros with index_put; each data-parallel rank's grad is a partial sum."""
-    B, T, V, H = (dims.sym("B", multiple=2), dims.sym("T"), 5, dims.sym("H")) if symbolic else (4, 3, 5, 2)
+    B, T, V, H = (sizes.sym("B", multiple=2), sizes.sym("T"), 5, sizes.sym("H")) if symbolic else (4, 3, 5, 2)
 
     def program(g: GraphBuilder, b: int) -> str:
         ids, dy = g.input("ids", [b, T], "int64"), g.input("dy", [b, T, H])
@@ -266,7 +266,7 @@ def embedding_grad_dp(bug: bool, symbolic: bool = False) -> Case:
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_embedding_grad_under_data_parallelism(tmp_path: Path, symbolic: bool) -> None:
-    syms = [dims.sym("B", multiple=2), dims.sym("T"), dims.sym("H")] if symbolic else []
+    syms = [sizes.sym("B", multiple=2), sizes.sym("T"), sizes.sym("H")] if symbolic else []
     good, bug = _verdict(tmp_path, lambda bug: embedding_grad_dp(bug, symbolic), syms, int_bound=5)
     assert good.refines, str(good)
     assert not bug.refines and bug.culprit is not None and bug.culprit.node == "grad", str(bug)
@@ -277,7 +277,7 @@ def cross_entropy_dp(bug: bool, recompute_mask: bool = False, symbolic: bool = F
     grad, with the logits' rows split over ranks: the loss needs the all_reduced sum and
     count; the grad (one-hot by scatter) stays row-sharded. `recompute_mask`: the count
     recomputes ne(tgt, -100), as the traced decomposition does (see the xfail test)."""
-    N, V = (dims.sym("N", multiple=2), 5) if symbolic else (6, 5)
+    N, V = (sizes.sym("N", multiple=2), 5) if symbolic else (6, 5)
 
     def program(g: GraphBuilder, n: Any, reduce: bool, skip_sum: bool = False) -> None:
         logits, tgt = g.input("logits", [n, V]), g.input("tgt", [n], "int64")
@@ -316,7 +316,7 @@ def cross_entropy_dp(bug: bool, recompute_mask: bool = False, symbolic: bool = F
 
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_cross_entropy_with_row_sharded_logits(tmp_path: Path, symbolic: bool) -> None:
-    syms = [dims.sym("N", multiple=2)] if symbolic else []
+    syms = [sizes.sym("N", multiple=2)] if symbolic else []
     # targets below the vocab size
     good, bug = _verdict(tmp_path, lambda bug: cross_entropy_dp(bug, symbolic=symbolic), syms, int_bound=5)
     assert good.refines, str(good)

@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.capture import aten
 from refine.check import check
 from refine.evaluate import audit, close, eval_graph
 from refine.format import load_dist, load_seq
+from refine.ir import sizes
 from refine.normalize import lower
 from refine.opset import load_registry
 
@@ -859,7 +859,7 @@ def test_importer_refuses_other_two_index_gathers() -> None:
 def test_symbolic_sizes(tmp_path: Path) -> None:
     """The shape rules and decompositions take symbolic sizes, and a sharded contraction of
     hlo_dot and the sequence-parallel apex layer norm refine for every token count T."""
-    T = dims.sym("T", multiple=2)
+    T = sizes.sym("T", multiple=2)
 
     def program_dot(g: GraphBuilder, r: int | None) -> None:
         f = 4 if r is None else 2

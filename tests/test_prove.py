@@ -84,7 +84,7 @@ def test_counterparts_are_offered_within_their_depth() -> None:
     """A rank counterpart found at one node is offered to the nodes up to COUNTERPART_DEPTH
     uses downstream (through any input, at the nearest distance) and to none further: kept
     for every later step, each layer's made every later frontier larger."""
-    from refine.ir import Node, TensorType
+    from refine.ir.graph import Node, TensorType
 
     t = TensorType([2], "float32")
     chain = [Node(f"n{i}", "exp", [f"n{i - 1}"] if i else ["x"], {}, t) for i in range(prove.COUNTERPART_DEPTH + 2)]

@@ -11,8 +11,8 @@ import pytest
 from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.expr import Term, leaf
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
+from refine.ir.term import Term, leaf
 from refine.opset import load_registry
 from refine.relate import DistProgram
 

@@ -1,5 +1,5 @@
 """Replicas of a layout equal the layout in value, which makes two rank tensors equal only
-where each is read whole (refine/replica.py). A replicated slice of a fused weight (a KV
+where each is read whole (refine/ir/layout.py). A replicated slice of a fused weight (a KV
 head two ranks hold next to their own query heads) says nothing of the rest: reading it as
 the whole tensor gave a false REFINES."""
 
@@ -14,11 +14,11 @@ from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
 from refine.evaluate import differential, random_inputs
-from refine.expr import Term, leaf
 from refine.format import load_dist, load_seq
+from refine.ir.layout import join_replicas
+from refine.ir.term import Term, leaf
 from refine.opset import load_registry
 from refine.relate import build_program, seq_input_relations
-from refine.replica import join_replicas
 
 REG = load_registry()
 

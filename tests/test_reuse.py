@@ -12,8 +12,8 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
-from refine.expr import Term, leaf
 from refine.importer.entangle import import_case
+from refine.ir.term import Term, leaf
 from refine.opset import load_registry
 from refine.report import Report
 from refine.reuse import Replayer, canon
@@ -160,7 +160,7 @@ def test_aws_llama_second_layer_is_replayed(tmp_path: Path) -> None:
 
 def _right_nested(t: Term) -> Term:
     """t with every concat chain along one dim rebuilt as a right-nested chain (the same
-    parts, in order): not the balanced tree `expr.cat` builds past three parts, the nesting
+    parts, in order): not the balanced tree `refine.ir.term.cat` builds past three parts, the nesting
     another extraction or relation builder may produce."""
     if not t.args:
         return t
@@ -252,7 +252,7 @@ def test_a_replayed_fact_must_be_a_fact_here() -> None:
     from the definitions and from matching the layer's facts, the check from the facts alone."""
     from collections import Counter
 
-    from refine.ir import TensorType
+    from refine.ir.graph import TensorType
     from refine.relate import DistProgram
     from refine.reuse import Premises
 
@@ -286,7 +286,7 @@ def test_a_tensor_only_a_fact_names_is_renamed_after_the_facts() -> None:
     the layer's facts, so the renamed fact holds."""
     from collections import Counter
 
-    from refine.ir import TensorType
+    from refine.ir.graph import TensorType
     from refine.relate import DistProgram
     from refine.reuse import Premises
 

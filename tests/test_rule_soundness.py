@@ -66,7 +66,7 @@ def test_the_harness_catches_unsound_rules() -> None:
 
 
 # The same rules compiled for symbolic sizes (sizes are PyObjects and every size test calls
-# refine.dims): on concrete seeds they must merge exactly what they merge as i64 rules.
+# refine.ir.sizes): on concrete seeds they must merge exactly what they merge as i64 rules.
 SYMBOLIC_NAMES = [r.name for r in REG.rules if r.symbolic]
 
 

@@ -13,7 +13,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import DTYPES
+from refine.ir.graph import DTYPES
 from refine.opset import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent

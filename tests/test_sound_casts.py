@@ -24,7 +24,7 @@ from refine import capture
 from refine.cli import main
 from refine.evaluate import differential, eval_graph
 from refine.format import load_dist, load_seq
-from refine.ir import Graph, Input, Node, Output, TensorType
+from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.opset import load_registry
 
 REG = load_registry()

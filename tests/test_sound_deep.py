@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from refine import ir, prove
+from refine import prove
 from refine.check import check_files
 from refine.format import load_seq
+from refine.ir import graph
 from refine.opset import load_registry
 
 Doc = dict[str, Any]
@@ -104,27 +105,27 @@ def test_loading_indexes_each_graph_once(tmp_path: Path, monkeypatch: pytest.Mon
     """A node's arguments are looked up as it is read: the name index is kept up to date,
     not rebuilt after each node (10^5 nodes took 9 minutes)."""
     rebuilt = []
-    reindex = ir.Graph._reindex
+    reindex = graph.Graph._reindex
 
-    def counted(g: ir.Graph) -> None:
+    def counted(g: graph.Graph) -> None:
         rebuilt.append(len(g.nodes))
         reindex(g)
 
-    monkeypatch.setattr(ir.Graph, "_reindex", counted)
+    monkeypatch.setattr(graph.Graph, "_reindex", counted)
     s, _ = _write(tmp_path, *chain_pair("elementwise", 3000))
     g = load_seq(s, load_registry())
     assert len(g.nodes) == 3000 and len(rebuilt) <= 1
 
 
 def test_index_follows_changes_made_elsewhere() -> None:
-    t = ir.TensorType((2,))
-    g = ir.Graph()
-    g.add_input(ir.Input("x", t))
-    g.add(ir.Node("a", "neg", ["x"], {}, t))
+    t = graph.TensorType((2,))
+    g = graph.Graph()
+    g.add_input(graph.Input("x", t))
+    g.add(graph.Node("a", "neg", ["x"], {}, t))
     assert set(g.index()) == {"x", "a"}
-    g.nodes.append(ir.Node("b", "neg", ["a"], {}, t))  # appended without add
+    g.nodes.append(graph.Node("b", "neg", ["a"], {}, t))  # appended without add
     assert g.type_of("b") == t
-    g.nodes = [ir.Node("c", "neg", ["x"], {}, t)]  # the list replaced
+    g.nodes = [graph.Node("c", "neg", ["x"], {}, t)]  # the list replaced
     assert set(g.index()) == {"x", "c"}
     g.inputs.pop()  # cut
     assert set(g.index()) == {"c"}

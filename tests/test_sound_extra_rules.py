@@ -50,7 +50,7 @@ RULES = [
 ]
 '''
 
-VIEW_CAT = '''from refine.expr import Term
+VIEW_CAT = '''from refine.ir.term import Term
 from refine.opset import rewrite
 
 # wrong: a view of a concat along dim 1 back to the rows' shape is not the concat along dim 0

@@ -1,5 +1,5 @@
 """Names are data. Every tensor, node, input and output name reaches egglog only through
-`refine.expr.quote` (and comes back through `unquote`): a name holding a quote, a paren, a
+`refine.ir.term.quote` (and comes back through `unquote`): a name holding a quote, a paren, a
 newline or egglog syntax neither crashes the engine nor changes what it proves. Before,
 names were pasted into egglog text as they were: a crafted rank output name added a rule
 that made every sequential value equal to every concat of rank outputs, and a buggy program
@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from refine.check import check
 from refine.cli import main
-from refine.expr import (
+from refine.format import InputError, load_dist, load_seq
+from refine.ir.term import (
     LayoutSyntaxError,
     Term,
     from_egglog,
@@ -34,7 +35,6 @@ from refine.expr import (
     to_egglog,
     unquote,
 )
-from refine.format import InputError, load_dist, load_seq
 from refine.opset import load_registry
 
 REG = load_registry()
@@ -331,7 +331,7 @@ LOWERED = [("exp", "exp_t"), ("relu", "relu_t"), ("sigmoid", "sigmoid_t"), ("tan
 
 def _made_up_name(op: str) -> str:
     """The name lowering gives the core node of a node "e" = op(x)."""
-    from refine.ir import Graph, Input, Node, TensorType
+    from refine.ir.graph import Graph, Input, Node, TensorType
     from refine.normalize import lower
 
     t = TensorType((2, 4), "float32")

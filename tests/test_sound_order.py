@@ -30,7 +30,7 @@ from refine import capture
 from refine.check import check, check_files
 from refine.evaluate import EvalError, eval_ranks, random_inputs
 from refine.format import InputError, load_dist, load_seq
-from refine.ir import Graph, Input, Node, Output, TensorType
+from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.opset import load_registry
 from refine.report import Report
 from refine.schedule import simulate

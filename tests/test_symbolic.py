@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from refine import dims
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check, engine_for, is_symbolic
 from refine.evaluate import audit, instantiate, valuation
 from refine.format import load_dist, load_seq
+from refine.ir import sizes
 from refine.normalize import lower
 from refine.opset import load_registry
 from refine.prove import infer
@@ -32,7 +32,7 @@ def _first_rows(tmp_path: Path, tokens: object, k: int) -> tuple[object, object]
         xr = d.input("x", [tokens // 2, 4])
         d.output("x", d.op("clone", xr, name="keep"))
         ranks[r] = d
-    syms = [tokens] if isinstance(tokens, dims.Sym) else []
+    syms = [tokens] if isinstance(tokens, sizes.Sym) else []
     write_case(tmp_path, seq_doc(s, syms), dist_doc({"tp": 2}, ranks, [{"from": "x", "placements": ["Shard(0)"]}]))
     seq = load_seq(tmp_path / "seq.json", REG)
     return seq, load_dist(tmp_path / "dist.json", REG, seq)
@@ -49,7 +49,7 @@ def _relation_of_first(seq, dist) -> str:  # noqa: ANN001
 @pytest.mark.parametrize("low, within_first_shard", [(4, True), (2, False)])
 def test_slice_falls_into_one_shard_only_when_provable(tmp_path: Path, low: int, within_first_shard: bool) -> None:
     # x[0:2] lies in rank 0's rows iff T/2 >= 2: provable when T >= 4, not when T may be 2
-    T = dims.sym("T", min=low, multiple=2)
+    T = sizes.sym("T", min=low, multiple=2)
     seq, dist = _first_rows(tmp_path, T, 2)
     rel = _relation_of_first(seq, dist)
     if within_first_shard:

@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any
 
-from refine.expr import Term, cat, leaf
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
+from refine.ir.term import Term, cat, leaf
 from refine.prove import _ancestry
 from refine.report import print_report
 

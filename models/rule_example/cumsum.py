@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
 from refine.opset import Op, ShapeError, rewrite
 
 

@@ -38,7 +38,7 @@ from refine.capture.errors import CaptureError
 from refine.capture.trace import Step, Traced, copy_grad_hooks, fake_process_group, trace_step
 from refine.capture.values import check_values, has_values
 from refine.format import FORMAT, VERSION, InputError, load_dist, load_seq
-from refine.ir import Dist, Graph
+from refine.ir.graph import Dist, Graph
 from refine.opset import Registry, load_registry
 from refine.report import Report
 

@@ -25,7 +25,7 @@ from torch import fx
 from refine.capture import aten
 from refine.capture.errors import CaptureError
 from refine.capture.trace import BATCH, Traced, source_of
-from refine.ir import Arg, TensorType
+from refine.ir.graph import Arg, TensorType
 from refine.normalize import held, normalize_attrs
 from refine.opset import Registry, ShapeError
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from refine.capture.errors import CaptureError
 from refine.evaluate import EvalError, canon, eval_term
-from refine.ir import Dist, Graph, Mesh, Placement, Relation
+from refine.ir.graph import Dist, Graph, Mesh, Placement, Relation
 from refine.opset import Registry
 
 # a copy may round once per dtype conversion; a reduction of k pieces adds k roundings
@@ -75,7 +75,7 @@ def check_values(seq: Graph, dist: Dist, registry: Registry, seq_vals: dict[str,
 
 def _describe(rel: Relation) -> str:
     if rel.layout is not None:
-        from refine.expr import show
+        from refine.ir.term import show
 
         return "layout " + " = ".join(show(t) for t in (rel.layout, *rel.replicas))
     local = f" (rank input {rel.local!r})" if rel.local and rel.local != rel.source else ""
@@ -254,7 +254,7 @@ def _diagnose(r: int, got: Tensor, v: Tensor, placements: tuple[Placement, ...],
 
 
 def _check_layout(rel: Relation, v: Tensor, locals_: dict[tuple[str, int], Tensor], registry: Registry) -> str | None:
-    from refine.expr import show
+    from refine.ir.term import show
 
     by_name = {f"{n}@{r}": t for (n, r), t in locals_.items()}
     eps = _eps(v, *locals_.values())

@@ -45,7 +45,7 @@ from refine.capture.convert import Emitter
 from refine.capture.errors import CaptureError
 from refine.format import InputError
 from refine.importer.gpickle import NodeRef, PGraph, PNode, SymbolRef, load_gpickle
-from refine.ir import TensorType
+from refine.ir.graph import TensorType
 from refine.opset import Registry, load_registry
 
 _FILE = re.compile(r"(?P<dir>fw|bw|both)\.g(?P<gid>\d+)\.r(?P<rank>\d+)\.gpickle$")

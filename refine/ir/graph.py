@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-Shape = tuple[Any, ...]  # each dim an int, or a refine.dims.Sym when the graph declares symbols
+Shape = tuple[Any, ...]  # each dim an int, or a refine.ir.sizes.Sym when the graph declares symbols
 Arg = str | float | int | bool  # a str is a reference to an input or node of the same graph
 
 DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8")
@@ -92,7 +92,7 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     outputs: list[Output] = field(default_factory=list)
     name: str = "graph"
-    symbols: dict[str, Any] = field(default_factory=dict)  # name -> refine.dims.Sym
+    symbols: dict[str, Any] = field(default_factory=dict)  # name -> refine.ir.sizes.Sym
 
     def __post_init__(self) -> None:
         self._index: dict[str, Input | Node] = {}
@@ -172,7 +172,7 @@ class Relation:
     source: str
     local: str | None = None
     placements: tuple[Placement, ...] | None = None
-    layout: Any = None  # a refine.expr.Expr over rank tensors
+    layout: Any = None  # a refine.ir.term.Expr over rank tensors
     replicas: tuple[Any, ...] = ()  # more layouts, each the first's structure over other ranks' inputs
     guessed: bool = False
     where: str = ""  # json path, for messages
@@ -187,7 +187,7 @@ class Expectation:
     output: str  # sequential output name
     local: str | None = None  # rank output name; None: the same name (see refine.check._default)
     placements: tuple[Placement, ...] | None = None
-    layout: tuple[Any, ...] | None = None  # refine.expr terms over rank outputs, each equal to the output
+    layout: tuple[Any, ...] | None = None  # refine.ir.term terms over rank outputs, each equal to the output
     where: str = ""
     guessed: bool = False  # placements guessed from shapes (reports flag them)
 
@@ -226,7 +226,7 @@ class Define:
 
     rank: int
     input: str  # the rank-local input name
-    term: Any  # a refine.expr.Term whose leaves (D) are sequential input names
+    term: Any  # a refine.ir.term.Term whose leaves (D) are sequential input names
     where: str = ""  # json path, for messages
 
 

@@ -1,6 +1,6 @@
 """What two replicas of a layout say about the rank tensors they read.
 
-A relation's `replicas` (refine.ir.Relation) are more copies of its layout: the same
+A relation's `replicas` (refine.ir.graph.Relation) are more copies of its layout: the same
 expression over other ranks' tensors, equal in value to it. That makes two leaves equal as
 whole tensors only where each appears whole in its expression, reached through ops that
 determine their operands from their result (a concat of pieces of equal shapes, a view, a
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from refine.expr import Term
+from refine.ir.term import Term
 
 # ops whose result determines their operands, given the operands' shapes
 _INJECTIVE = frozenset({"cat", "view", "transpose"})

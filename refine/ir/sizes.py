@@ -788,7 +788,7 @@ def parse(text: str, symbols: dict[str, Sym]) -> Dim:
 
 # --- serialization -------------------------------------------------------------------------------
 
-_ALLOWED = {("refine.dims", "Sym"): "Sym", ("refine.dims", "Atom"): "Atom",
+_ALLOWED = {("refine.ir.sizes", "Sym"): "Sym", ("refine.ir.sizes", "Atom"): "Atom",
             ("fractions", "Fraction"): "Fraction"}
 
 

@@ -205,16 +205,16 @@ def _dim_lit(d: Any, py: bool) -> str:
         return str(d)
     if isinstance(d, int):
         return f"(py-from-int {d})"
-    from refine import dims
+    from refine.ir import sizes
 
-    return f"(py-object {quote(dims.dumps(d))})"
+    return f"(py-object {quote(sizes.dumps(d))})"
 
 
 def _read_dim(x: Any) -> Any:
     if isinstance(x, list):  # (py-object "base64 pickle"), made by our own engine
-        from refine import dims
+        from refine.ir import sizes
 
-        return dims.loads(unquote(x[1]))
+        return sizes.loads(unquote(x[1]))
     return int(x)
 
 

@@ -3,7 +3,7 @@
 Every rule family names torch functions as its ops' numeric references (`Op.ref`), read
 when an op is evaluated (audits, localization, the soundness harness), not when a case is
 checked; importing torch is ~1 s of CPU, most of a `refine check` outside the proof. A
-family writes `from refine.lazy import torch`: `torch.exp`, `torch.nn.functional.silu` are
+family writes `from refine.ir.lazy import torch`: `torch.exp`, `torch.nn.functional.silu` are
 then paths that import torch when called. Once torch is imported, every attribute read is
 torch's own (so `torch.float64` inside a reference is the real dtype).
 """
