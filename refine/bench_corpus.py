@@ -63,7 +63,7 @@ def one(name: str, seq_dir: str, dist_dir: str, rel: str | None, out: Path) -> d
     from refine.check import check
     from refine.format import InputError, load_dist, load_seq
     from refine.importer.entangle import import_case
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     t0 = time.perf_counter()
     row: dict[str, object] = {"config": name}

@@ -108,7 +108,7 @@ def _peak_mib() -> float:
 def _load(seq: str, dist: str) -> dict[str, Any]:
     """In the subprocess: load both files, with times and peak memory."""
     from refine.format import load_dist, load_seq
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     registry = load_registry()
     base = _peak_mib()

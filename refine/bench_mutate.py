@@ -168,7 +168,7 @@ def operator_order() -> list[str]:
 
 def one(name: str, count: int | None, seed: int) -> dict[str, object]:
     from refine.mutate import load_case, read_doc, run
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     case = next(c for c in CASES if c.name == name)
     t0 = time.perf_counter()

@@ -20,8 +20,8 @@ from typing import Any
 from refine.format import FORMAT, VERSION
 from refine.ir import sizes
 from refine.ir.graph import TensorType
-from refine.normalize import normalize_attrs
-from refine.opset import Registry, load_registry
+from refine.ops.lower import normalize_attrs
+from refine.ops.registry import Registry, load_registry
 
 
 class GraphBuilder:

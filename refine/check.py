@@ -14,12 +14,12 @@ from refine.format import InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.localize import localize
-from refine.normalize import UnsupportedOp, lower
-from refine.opset import Registry, ShapeError, load_registry
+from refine.ops.lower import UnsupportedOp, lower
+from refine.ops.registry import Registry, ShapeError, load_registry
+from refine.ops.schedule import ScheduleError, deadlock
 from refine.prove import Engine, frontier, infer, structural_ancestry
 from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report, Stuck
-from refine.schedule import ScheduleError, deadlock
 
 _ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
 EXPECT_HOPS = 8
@@ -193,7 +193,7 @@ def _nothing_to_check(seq: Graph, core: Graph, results: list[OutputResult]) -> s
 
 
 def _deadlocked(seq: Graph, dist: Dist, stuck: list[Stuck], t0: float) -> Report:
-    """DOES NOT REFINE: the ranks' program order deadlocks (refine.schedule), so no output is
+    """DOES NOT REFINE: the ranks' program order deadlocks (refine.ops.schedule), so no output is
     ever computed."""
     results = [OutputResult(o.name, o.role, "", False, "computed by the ranks", False,
                             "never computed: the ranks deadlock") for o in seq.outputs]

@@ -147,7 +147,7 @@ def rules_list_cmd(rules: tuple[str, ...], pair: tuple[str, str] | None) -> None
     from rich.table import Table
 
     from refine.check import _ENGINES, check_files
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     try:
         registry = load_registry(rules)
@@ -183,7 +183,7 @@ def rules_list_cmd(rules: tuple[str, ...], pair: tuple[str, str] | None) -> None
 def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, mode: str) -> None:
     """Check every rule alone on random seed terms: each merge it makes must hold in torch
     (float64), and each rule must fire. Exit 1 if any rule is unsound or never fires."""
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
     from refine.soundness import Harness
 
     try:
@@ -233,7 +233,7 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
     from rich.table import Table
 
     from refine.mutate import ALL_OPERATORS, load_case, read_doc, run
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     unknown = sorted(set(operators) - set(ALL_OPERATORS))
     if unknown:

@@ -34,7 +34,7 @@ from refine.ir.term import Term, cat, leaf
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from refine.opset import Registry
+    from refine.ops.registry import Registry
     from refine.prove import Engine
     from refine.relate import DistProgram
 
@@ -172,7 +172,7 @@ class _Values:
 
     def __init__(self, prog: DistProgram, registry: Registry, seq: Graph, dist: Dist, region: set[str],
                  seed: int) -> None:
-        from refine.evaluate import eval_term
+        from refine.ops.interp import eval_term
 
         self.prog, self.registry = prog, registry
         # the region and what it reads OUTSIDE definitions back are computed (the rotary's
@@ -194,7 +194,7 @@ class _Values:
         self.defines = {name: d.term for d in dist.defines if (name := tensor_name(d.rank, d.input)) in prog.types}
 
     def _random(self, typ: TensorType) -> Tensor:
-        from refine.evaluate import _random
+        from refine.ops.interp import _random
 
         return _random(typ, self.gen, 8)
 

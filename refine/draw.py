@@ -97,7 +97,7 @@ def rank_context(report: Report, seq_path: str | Path, dist_path: str | Path,
                  rules: Iterable[str | Path] = ()) -> RankContext:
     """Reload the case and read the culprit's neighbourhood off the distributed program."""
     from refine.format import load_dist, load_seq
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
     from refine.relate import build_program
 
     c = _culprit(report)

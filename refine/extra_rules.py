@@ -26,7 +26,7 @@ verdict is visibly conditional.
 Cache: a verification is stored as one JSON file named by a SHA-256 key over the format,
 refine's own sources (the `refine` package and the built-in rules) and the versions of
 torch and egglog, the harness parameters, each extra directory's path and content digest
-(`refine.opset.dir_digest`: every file under it) and the text of what it adds. A change to
+(`refine.ops.registry.dir_digest`: every file under it) and the text of what it adds. A change to
 any of them verifies again. The directory is `$REFINE_CACHE_DIR`, else
 `$XDG_CACHE_HOME/refine`, else `~/.cache/refine` (entries in `verified-rules/`); writes are
 atomic (a temporary file renamed over). What the cache is trusted for: an entry is the
@@ -52,7 +52,7 @@ from typing import Any
 
 from refine.format import InputError
 from refine.ir.term import parse_sexps
-from refine.opset import Op, Registry, Rule, builtin_rules_dir, load_registry
+from refine.ops.registry import Op, Registry, Rule, builtin_rules_dir, load_registry
 
 FORMAT = 1
 CACHE_ENV = "REFINE_CACHE_DIR"
@@ -364,9 +364,9 @@ def _try_op(registry: Registry, op: Op, where: str, item: str) -> list[Finding]:
     """The shape rule and the lowering against the torch reference, on sampled arguments."""
     import torch
 
-    from refine.evaluate import canon, close, eval_graph, max_err
     from refine.ir.graph import Graph, Input, Node, Output
-    from refine.normalize import lower
+    from refine.ops.interp import canon, close, eval_graph, max_err
+    from refine.ops.lower import lower
 
     how = "alias (kind identity)" if op.kind == "identity" else "decomposition" if op.decompose else ""
     tried, last = 0, "no arguments it can sample: same-shape float tensors and dim attributes only"

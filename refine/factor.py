@@ -22,7 +22,8 @@ from fractions import Fraction
 
 import torch
 
-from refine.evaluate import (
+from refine.ir.graph import Dist, Graph, Node, case_symbols
+from refine.ops.interp import (
     EvalError,
     close,
     eval_graph,
@@ -33,8 +34,7 @@ from refine.evaluate import (
     random_inputs,
     valuation,
 )
-from refine.ir.graph import Dist, Graph, Node, case_symbols
-from refine.opset import Registry
+from refine.ops.registry import Registry
 
 MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)
 REDUCTIONS = ("all_reduce", "reduce_scatter")

@@ -8,7 +8,7 @@ bad input; the JSON Schema is documentation and a tool for editors, not what run
 
 A rank graph's node order is its program order for communication: the order in which the
 rank issues its collectives and sends/recvs. The k-th collective of a group on each member is
-one collective, the j-th send from a to b meets the j-th recv on b from a, and refine.schedule
+one collective, the j-th send from a to b meets the j-th recv on b from a, and refine.ops.schedule
 checks that the ranks can run them in that order without deadlock (else DOES NOT REFINE).
 Other nodes need only follow their inputs. The frontends keep that order: capture emits a
 rank's collectives in the order make_fx traced them (each after the nodes it reads), the
@@ -46,8 +46,8 @@ from refine.ir.graph import (
     value_class,
 )
 from refine.ir.term import LayoutSyntaxError, parse_layout
-from refine.normalize import normalize_attrs
-from refine.opset import Op, Registry, ShapeError
+from refine.ops.lower import normalize_attrs
+from refine.ops.registry import Op, Registry, ShapeError
 
 T = TypeVar("T")
 FORMAT = "refine-graph"
@@ -406,7 +406,7 @@ def _dtype_problem(op: Op, attrs: dict[str, Any], ins: list[TensorType], inferre
     binarizes) would change them unseen; a `dtype` attribute (a cast, rules/cast.py) must
     be the node's. A number literal takes part as torch promotes it (an int tensor times
     0.5 is a float one). A node without tensor inputs that stores a number (`full`) holds it
-    as its dtype does (refine.normalize.held); a recv holds what its send sent (same dtype)."""
+    as its dtype does (refine.ops.lower.held); a recv holds what its send sent (same dtype)."""
     declared = value_class(typ.dtype)
     given = attrs.get("dtype")
     if given is not None:
@@ -955,7 +955,7 @@ def _check_defines(c: _Ctx, seq: Graph, dist: Dist, registry: Registry) -> None:
     that satisfy the relations, each defined rank input set from its define must leave
     every relation's value unchanged (a define that says a region is zero, or a copy of
     another head, where a relation reads real data from it, is refused)."""
-    from refine.evaluate import define_conflict  # evaluate imports this module
+    from refine.ops.interp import define_conflict  # evaluate imports this module
 
     bad = define_conflict(seq, dist, registry)
     if bad is not None:

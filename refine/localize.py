@@ -7,8 +7,8 @@ from fractions import Fraction
 
 from refine.ir.graph import Dist, Graph, Node, tensor_name
 from refine.ir.term import Term
-from refine.normalize import lower
-from refine.opset import Registry
+from refine.ops.lower import lower
+from refine.ops.registry import Registry
 from refine.prove import Inference
 from refine.relate import DistProgram
 from refine.report import Culprit, OutputResult

@@ -15,10 +15,17 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
-from refine.evaluate import EvalError, eval_graph, eval_ranks, instantiate, random_inputs, valuation
 from refine.factor import _outputs_ok, _rank_outputs, distances
 from refine.ir.graph import Dist, Graph, Node, case_symbols
-from refine.opset import Registry
+from refine.ops.interp import (
+    EvalError,
+    eval_graph,
+    eval_ranks,
+    instantiate,
+    random_inputs,
+    valuation,
+)
+from refine.ops.registry import Registry
 
 MAX_TRIES = 12  # lines edited at most (each one evaluation of the rank programs)
 

@@ -16,8 +16,8 @@ that another relation reads), and hostile names (quotes, parens, newlines, egglo
 correct case or on top of another bug. A mutant refused at load for its planted defect
 (the same edit with a harmless value, its control, loads) is *refused*: fail-closed, sound.
 
-`run` checks every mutant and evaluates it (`refine.evaluate`, both sides in torch with
-simulated collectives on random consistent inputs; program order by `refine.schedule`) and
+`run` checks every mutant and evaluates it (`refine.ops.interp`, both sides in torch with
+simulated collectives on random consistent inputs; program order by `refine.ops.schedule`) and
 sorts it:
 
 - caught: DOES NOT REFINE and numerically wrong;
@@ -46,7 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine.evaluate import (
+from refine.format import InputError, load_dist, read_json
+from refine.ir import sizes
+from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
+from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
+from refine.ops.interp import (
     EvalError,
     Tensor,
     close,
@@ -58,14 +62,10 @@ from refine.evaluate import (
     max_err,
     random_inputs,
 )
-from refine.format import InputError, load_dist, read_json
-from refine.ir import sizes
-from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
-from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
-from refine.normalize import normalize_attrs
-from refine.opset import Registry, load_registry
+from refine.ops.lower import normalize_attrs
+from refine.ops.registry import Registry, load_registry
+from refine.ops.schedule import ScheduleError, deadlock
 from refine.relate import placed_terms
-from refine.schedule import ScheduleError, deadlock
 
 Doc = dict[str, Any]
 REDUCING = ("all_reduce", "reduce_scatter")
@@ -1110,7 +1110,7 @@ class Judge:
         if evaluate and not self.symbolic:
             try:
                 self._inputs(seed)
-            except EvalError:  # too large to evaluate (refine.evaluate.eval_budget): verdicts only
+            except EvalError:  # too large to evaluate (refine.ops.interp.eval_budget): verdicts only
                 self.evaluate = False
 
     def _inputs(self, seed: int, dist: Dist | None = None) -> tuple[dict[int, dict[str, Tensor]], dict[str, Tensor]]:
@@ -1132,7 +1132,7 @@ class Judge:
         of DRAWS sets of random inputs? One draw can hide a bug: aws_llama's query scaled by
         0.5 changes nothing on the draws of seeds 0 and 1
         but is wrong on seed 3; only mutants equal on the first draw pay for more. Ranks
-        that wait for each other for ever (`refine.schedule.deadlock`) compute nothing right. With
+        that wait for each other for ever (`refine.ops.schedule.deadlock`) compute nothing right. With
         `fresh` (the relations changed) the inputs are drawn to satisfy the mutant's."""
         try:
             if deadlock(dist.ranks, self.registry):

@@ -35,7 +35,7 @@ from refine.ir.term import (
     quote,
     unquote,
 )
-from refine.opset import (
+from refine.ops.registry import (
     ATTR_SORTS,
     COMPUTE,
     LEAF,

@@ -28,8 +28,8 @@ from refine.ir.graph import (
 )
 from refine.ir.layout import join_replicas
 from refine.ir.term import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
-from refine.normalize import lower
-from refine.opset import Registry, ShapeError
+from refine.ops.lower import lower
+from refine.ops.registry import Registry, ShapeError
 from refine.overlap import Read, conflict, reads, show_box
 
 

@@ -49,7 +49,7 @@ class Culprit:
 @dataclass
 class Stuck:
     """A rank that can never go on: the communication op it waits at, and for whom
-    (refine.schedule)."""
+    (refine.ops.schedule)."""
 
     rank: int
     node: str  # the rank node it waits at

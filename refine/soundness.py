@@ -41,10 +41,10 @@ from typing import Any
 import torch
 from egglog import bindings
 
-from refine.evaluate import close, eval_term, helper_sorts, max_err
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, lit, parse_sexp, quote
-from refine.opset import Registry, Rule, ShapeError, compile_text, load_registry
+from refine.ops.interp import close, eval_term, helper_sorts, max_err
+from refine.ops.registry import Registry, Rule, ShapeError, compile_text, load_registry
 
 ITERATIONS = 3
 

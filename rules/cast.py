@@ -18,8 +18,8 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
-from refine.normalize import Builder
-from refine.opset import Op, ShapeError
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, ShapeError
 
 
 def _cast_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

@@ -14,7 +14,7 @@ from refine.ir import sizes
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term, cat, nary, scale
-from refine.opset import Op, ShapeError
+from refine.ops.registry import Op, ShapeError
 
 REDUCE_OPS = ("sum", "avg", "max")
 
@@ -102,7 +102,7 @@ def _lower_all_to_all(xs: list[Term], i: int, attrs: dict[str, Any], size: Any) 
 
 
 def _ref_unavailable(*args: Any, **kw: Any) -> Any:
-    raise NotImplementedError("collectives are evaluated across ranks by refine.evaluate")
+    raise NotImplementedError("collectives are evaluated across ranks by refine.ops.interp")
 
 
 GROUP = ("group", "ints")
@@ -118,7 +118,7 @@ OPS = [
     Op("broadcast", 1, _broadcast_shape, (("src", "int"), GROUP), ref=_ref_unavailable,
        kind="collective", lower=lambda xs, i, a, size: xs[list(a["group"]).index(a["src"])]),
     # `batch`: consecutive sends/recvs of a rank with the same value are posted together
-    # (batch_isend_irecv, an NCCL group) and complete together (refine.schedule)
+    # (batch_isend_irecv, an NCCL group) and complete together (refine.ops.schedule)
     Op("send", 1, lambda ins, a: ins[0], (("peer", "int"), ("batch", "int?")), ref=_ref_unavailable,
        kind="collective"),
     Op("recv", 0, _recv_shape, (("peer", "int"), ("shape", "shape"), ("dtype", "str?"), ("batch", "int?")),

@@ -5,7 +5,7 @@ the sub-range, and two adjacent ranges concatenate to one. So a sequence-paralle
 builds its own positions `arange(r*T/n, (r+1)*T/n)` is seen as holding a piece of the
 sequential `arange(0, T)`. `scalar_tensor` and `full_like` lower to `full` (the latter
 keeps only its input's shape, never its values), with the fill as their dtype holds it
-(`refine.normalize.held`: an integer dtype truncates it, bool is `!= 0`).
+(`refine.ops.lower.held`: an integer dtype truncates it, bool is `!= 0`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType, value_class
 from refine.ir.lazy import torch
-from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, Rule, ShapeError, rewrite, rule
 
 
 def _arange_len(start: Any, end: Any, step: int) -> Any:

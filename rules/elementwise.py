@@ -14,8 +14,17 @@ from typing import Any
 
 from refine.ir.graph import VALUE_CLASSES, Arg, Node, TensorType, value_class
 from refine.ir.lazy import F, torch
-from refine.normalize import Builder, rational
-from refine.opset import HELPER, Op, Registry, Rule, ShapeError, broadcast_shapes, rewrite, rule
+from refine.ops.lower import Builder, rational
+from refine.ops.registry import (
+    HELPER,
+    Op,
+    Registry,
+    Rule,
+    ShapeError,
+    broadcast_shapes,
+    rewrite,
+    rule,
+)
 
 
 def _widest(ins: list[TensorType]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
-from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

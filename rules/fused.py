@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from refine.ir.term import Term, nary
-from refine.opset import Rule, rule
+from refine.ops.registry import Rule, rule
 
 
 def _elementwise(reg: Any) -> list[Rule]:

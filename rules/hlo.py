@@ -28,8 +28,8 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
-from refine.normalize import Builder, UnsupportedOp
-from refine.opset import Op, ShapeError
+from refine.ops.lower import Builder, UnsupportedOp
+from refine.ops.registry import Op, ShapeError
 
 # --- AwsNeuronRmsNorm: x * rsqrt(mean(x^2 over dim) + eps) * w, w laid along dim
 

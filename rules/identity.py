@@ -1,7 +1,7 @@
 """Ops that return their input's value: copies, layout changes, waits on collectives, and
 casts between floating dtypes (refine reasons about real-valued semantics), and from an
 integer dtype to a floating one (the same real values). A bool given a numeric dtype becomes
-`cast_float_t` (rules/cast.py, by refine.normalize.Builder.cast); a narrower dtype (float to
+`cast_float_t` (rules/cast.py, by refine.ops.lower.Builder.cast); a narrower dtype (float to
 int or bool, int to bool) would change values and is refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from refine.ir.graph import TensorType, narrowing
-from refine.opset import Op, ShapeError
+from refine.ops.registry import Op, ShapeError
 
 
 def _same(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

@@ -21,8 +21,8 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
-from refine.normalize import Builder, UnsupportedOp
-from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
+from refine.ops.lower import Builder, UnsupportedOp
+from refine.ops.registry import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
 INT_DTYPES = ("int64", "int32", "int8", "uint8")
 

@@ -34,8 +34,8 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
-from refine.normalize import Builder
-from refine.opset import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import HELPER, Op, Rule, ShapeError, rewrite, rule
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's enum
 

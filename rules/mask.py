@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from refine.ir.term import Term
-from refine.opset import HELPER, Rule, rewrite, rule
+from refine.ops.registry import HELPER, Rule, rewrite, rule
 
 ZERO = "(full 0.0 s)"
 BIG = "(bigint 1)"

@@ -27,7 +27,7 @@ from typing import Any
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
-from refine.opset import Op, Rule, ShapeError, rule
+from refine.ops.registry import Op, Rule, ShapeError, rule
 
 _MASK = "(= m (logical_or_t (lt_t t (full lo sh)) (ge_t t (full hi sh))))"
 # the outer masked_fill over the view of a gather whose index is the inner masked target,

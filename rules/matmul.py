@@ -10,8 +10,17 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
-from refine.normalize import Builder, rational
-from refine.opset import HELPER, Op, Rule, ShapeError, broadcast_shapes, matmul_shape, rewrite, rule
+from refine.ops.lower import Builder, rational
+from refine.ops.registry import (
+    HELPER,
+    Op,
+    Rule,
+    ShapeError,
+    broadcast_shapes,
+    matmul_shape,
+    rewrite,
+    rule,
+)
 
 
 def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from refine.ir.term import Term
-from refine.opset import Rule, rule
+from refine.ops.registry import Rule, rule
 
 MAX_MERGE_DIM = 3  # templates for a merged dim at 0..2 (merged tensors of up to 4 dims: what the seeds exercise)
 

@@ -39,8 +39,8 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
-from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, Rule, ShapeError, rewrite, rule
 
 INDEX_DTYPES = ("int64", "int32")
 

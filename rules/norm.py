@@ -8,8 +8,8 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import F, torch
-from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, Rule, ShapeError, rewrite
 
 
 def _along(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

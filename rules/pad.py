@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from refine.ir.term import Term
-from refine.opset import Rule, rewrite, rule
+from refine.ops.registry import Rule, rewrite, rule
 
 ZERO = ["(= z (full v s))", "(= v 0.0)"]
 

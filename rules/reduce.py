@@ -9,8 +9,8 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
-from refine.normalize import Builder
-from refine.opset import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

@@ -22,7 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from refine.ir.term import Term
-from refine.opset import Rule, rewrite, rule
+from refine.ops.registry import Rule, rewrite, rule
 
 MAX_REPEAT_DIM = 4  # templates for the repeated dim d = 0..3 (HF: 1, HLO's Llama: 2)
 

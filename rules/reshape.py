@@ -9,8 +9,8 @@ from typing import Any
 
 from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType
-from refine.normalize import Builder, normalize_dim
-from refine.opset import Op, Rule, ShapeError, rule
+from refine.ops.lower import Builder, normalize_dim
+from refine.ops.registry import Op, Rule, ShapeError, rule
 
 
 def _resolve(shape: tuple[int, ...], numel: int) -> tuple[int, ...]:

@@ -13,8 +13,8 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term, split_point
-from refine.normalize import Builder
-from refine.opset import HELPER, Op, ShapeError, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import HELPER, Op, ShapeError, rewrite, rule
 
 
 def _cat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

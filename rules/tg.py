@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from refine.ir.graph import TensorType
-from refine.opset import Op
+from refine.ops.registry import Op
 
 
 def _same(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

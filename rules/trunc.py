@@ -14,7 +14,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
-from refine.opset import Op, ShapeError
+from refine.ops.registry import Op, ShapeError
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

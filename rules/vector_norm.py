@@ -23,8 +23,8 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
-from refine.normalize import Builder
-from refine.opset import Op, Rule, ShapeError, rewrite, rule
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, Rule, ShapeError, rewrite, rule
 
 
 def _dims(attrs: dict[str, Any], ndim: int) -> tuple[int, ...]:

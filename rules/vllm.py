@@ -44,8 +44,8 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import F, torch
-from refine.normalize import Builder
-from refine.opset import Op, ShapeError
+from refine.ops.lower import Builder
+from refine.ops.registry import Op, ShapeError
 
 # --- RMS norms
 

@@ -20,7 +20,7 @@ import pytest
 
 from refine.check import check_files
 from refine.format import InputError, load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = ROOT / "models" / "tp_mlp"
@@ -324,7 +324,7 @@ def test_op_with_no_lowering(tmp_path: Path, seq: Doc, dist: Doc) -> None:
     rules = tmp_path / "rules"
     rules.mkdir()
     (rules / "opaque.py").write_text(
-        "from refine.opset import Op\n"
+        "from refine.ops.registry import Op\n"
         "OPS = [Op('opaque_act', 1, lambda ins, a: ins[0])]\n"
         "RULES = []\n")
     seq_node(seq, "act").update(op="opaque_act", attrs={})

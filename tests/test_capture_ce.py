@@ -2,7 +2,7 @@
 its bug twins localized, and the loss rule family (rules/loss.py) on its own.
 
 Verdicts come from refine's checker; the captured programs are also run (simulated
-collectives, `refine.evaluate`) to show each twin is wrong exactly where the checker says.
+collectives, `refine.ops.interp`) to show each twin is wrong exactly where the checker says.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 
 from refine import capture
 from refine.capture import trace
-from refine.evaluate import (
+from refine.ir.graph import Graph, Input, Node, Output, TensorType
+from refine.ops.interp import (
     apply_op,
     close,
     eval_graph,
@@ -29,9 +30,8 @@ from refine.evaluate import (
     expected_terms,
     random_inputs,
 )
-from refine.ir.graph import Graph, Input, Node, Output, TensorType
-from refine.normalize import lower
-from refine.opset import load_registry
+from refine.ops.lower import lower
+from refine.ops.registry import load_registry
 from refine.prove import Engine
 from refine.soundness import Harness
 
@@ -46,7 +46,7 @@ CE = load_model("vocab_ce")
 def wrong_numerically(case: capture.Case, ignored: bool = True) -> set[str]:
     """Outputs whose rank values differ from the sequential ones, on random inputs whose
     targets (random classes) include ignored tokens when `ignored` (the random inputs of
-    `refine.evaluate.differential` never pick ignore_index)."""
+    `refine.ops.interp.differential` never pick ignore_index)."""
     reg = case.registry
     seq_in, rank_in = random_inputs(case.seq, case.dist, 3, reg)
     if ignored:
@@ -230,7 +230,7 @@ def test_a_wrong_lookup_rule_is_caught(tmp_path: Path) -> None:
     """The tempting rule without the outer mask (out-of-range targets not zeroed: the
     target_mask_missing bug as a rule) is reported unsound."""
     (tmp_path / "wrong.py").write_text(
-        "from refine.opset import rule\n"
+        "from refine.ops.registry import rule\n"
         "RULES = [rule('gather-off-unmasked', ['(= e (GatherOff w i g s))', '(= s (dim 0))', '(= si (shape i))'],\n"
         "              ['(union e (gather w (where_t (logical_or_t (lt_t i (full 0.0 si)) "
         "(ge_t i (full (to-f64 (size w g)) si))) (full 0.0 si) i) g))'], symbolic=False)]\n")

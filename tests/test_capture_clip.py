@@ -26,10 +26,10 @@ from torch import nn
 from refine import capture
 from refine.build import GraphBuilder, seq_doc
 from refine.capture.errors import CaptureError
-from refine.evaluate import close, eval_graph
 from refine.format import load_seq
-from refine.normalize import lower
-from refine.opset import Rule, ShapeError, load_registry, rewrite, rule
+from refine.ops.interp import close, eval_graph
+from refine.ops.lower import lower
+from refine.ops.registry import Rule, ShapeError, load_registry, rewrite, rule
 from refine.soundness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"

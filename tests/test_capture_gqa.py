@@ -3,7 +3,7 @@ embeddings on sequence chunks at an offset (models/capture/rope_offset.py), capt
 checked end to end, forward and backward, with the pieces they need (rules/reduce.py's
 reductions over a size-1 dim, rules/reshape.py's `repeat`).
 
-Verdicts come from refine's checker; `refine.evaluate.differential` independently runs the
+Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where the
 checker says.
 """
@@ -22,10 +22,10 @@ from capture_helpers import failing, load_model, wrong_numerically
 
 from refine import capture, check
 from refine.build import GraphBuilder, seq_doc
-from refine.evaluate import close, eval_graph
 from refine.format import load_seq
-from refine.normalize import lower
-from refine.opset import load_registry
+from refine.ops.interp import close, eval_graph
+from refine.ops.lower import lower
+from refine.ops.registry import load_registry
 
 GQA = load_model("gqa_tp")
 ROPE = load_model("rope_offset")

@@ -3,7 +3,7 @@ combine (models/capture/moe_ep.py), captured and checked end to end, and the MoE
 (rules/moe.py: top-k and sort as opaque consistent functions, scatter with values, accumulating
 scatter) it needs.
 
-Verdicts come from refine's checker; `refine.evaluate.differential` independently runs the
+Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where expected.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from refine import capture, check
 from refine.capture import CaptureError
-from refine.opset import Rule, load_registry, rewrite
+from refine.ops.registry import Rule, load_registry, rewrite
 from refine.soundness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"

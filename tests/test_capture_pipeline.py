@@ -25,7 +25,7 @@ from refine import capture
 from refine.build import write_case
 from refine.capture.errors import CaptureError
 from refine.format import InputError, load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 SCHEMA = Path(__file__).resolve().parent.parent / "refine" / "schema" / "graph-v1.json"

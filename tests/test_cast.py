@@ -11,9 +11,9 @@ from torch import nn
 
 from refine import capture
 from refine.capture import CaptureError
-from refine.evaluate import differential
 from refine.ir.graph import TensorType
-from refine.opset import ShapeError, load_registry
+from refine.ops.interp import differential
+from refine.ops.registry import ShapeError, load_registry
 from refine.soundness import Harness
 
 REG = load_registry()

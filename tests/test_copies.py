@@ -17,9 +17,9 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.evaluate import differential
 from refine.format import load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.interp import differential
+from refine.ops.registry import load_registry
 from refine.relate import build_program, seq_input_relations
 
 REG = load_registry()

@@ -14,7 +14,7 @@ import pytest
 
 from refine.check import check
 from refine.format import load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 REG = load_registry()

@@ -15,10 +15,10 @@ import torch
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.evaluate import differential, random_inputs
 from refine.format import InputError, load_dist, load_seq
 from refine.ir.term import LayoutSyntaxError, Term, leaf, parse_layout
-from refine.opset import load_registry
+from refine.ops.interp import differential, random_inputs
+from refine.ops.registry import load_registry
 
 REG = load_registry()
 
@@ -157,7 +157,7 @@ def test_defines_are_checked_a_group_at_a_time(tmp_path: Path) -> None:
     """The load check draws one group of defines and relations at a time (those sharing an
     input: one layer's weight), so its memory is one group's; every group is still checked,
     and a contradiction in the second group is found at its define."""
-    from refine.evaluate import _define_groups
+    from refine.ops.interp import _define_groups
 
     ok = {"w1@1": W1_PAD, "w2@1": W2_PAD}
     _, dist = _load(*_case(tmp_path, ok))
@@ -193,7 +193,7 @@ def test_a_repeated_define_group_is_checked_once(tmp_path: Path, monkeypatch: py
     """Three layers whose define groups are one up to names: the contradiction check runs
     once (TP6 eight layers: 40 groups of 5 kinds, 40 s to load); a layer whose define
     differs is a group of its own, checked, and its contradiction is found at its define."""
-    import refine.evaluate as ev
+    import refine.ops.interp as ev
 
     calls: list[list[str]] = []
     check = ev._define_conflict

@@ -13,7 +13,7 @@ import pytest
 
 from refine import prove
 from refine.check import check_files, engine_for
-from refine.opset import end_of_atom, load_registry
+from refine.ops.registry import end_of_atom, load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

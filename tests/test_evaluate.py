@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from refine.check import check
-from refine.evaluate import (
+from refine.format import load_dist, load_seq
+from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
+from refine.ir.term import Term, leaf, parse_layout
+from refine.ops.interp import (
     audit,
     close,
     differential,
@@ -20,10 +23,7 @@ from refine.evaluate import (
     eval_term,
     random_inputs,
 )
-from refine.format import load_dist, load_seq
-from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
-from refine.ir.term import Term, leaf, parse_layout
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 from refine.relate import build_program, placed_terms
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -176,8 +176,8 @@ def test_differential_agrees_with_verdict(case: str) -> None:
 
 def test_audit_flags_a_wrong_relation() -> None:
     from refine.check import engine_for
-    from refine.evaluate import audit_relations
-    from refine.normalize import lower
+    from refine.ops.interp import audit_relations
+    from refine.ops.lower import lower
     from refine.prove import infer
     from refine.relate import seq_input_relations
 

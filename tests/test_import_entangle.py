@@ -74,7 +74,7 @@ def test_gpt_pair_imports(tmp_path: Path) -> None:
     assert any(n.get("source") == "cross_entropy.py:245" for n in dist["ranks"][1]["graph"]["nodes"])
     # the pair passes refine's loader (collectives matched, relations make the sequential shapes)
     from refine.format import load_dist, load_seq
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
 
     reg = load_registry()
     load_dist(out / "dist.json", reg, load_seq(out / "seq.json", reg))
@@ -402,7 +402,7 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
     assert sorted(defines) == sorted([f"p9_10@{k}" for k in range(6)] + ["p10_11@5", "p12_13@5", "p13_14@5", "p14_15@5"])
     assert defines["p10_11@5"] == "cat(slice(p10_11, 1, 1920, 2048), zeros([2048, 256]), dim=1)"
     from refine.format import load_dist, load_seq
-    from refine.opset import load_registry
+    from refine.ops.registry import load_registry
     reg = load_registry()
     seq = load_seq(out / "seq.json", reg)
     assert len(load_dist(out / "dist.json", reg, seq).defines) == 10

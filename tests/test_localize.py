@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from refine.check import check_files, engine_for
-from refine.evaluate import apply_op
 from refine.format import load_dist, load_seq
-from refine.normalize import lower
-from refine.opset import load_registry
+from refine.ops.interp import apply_op
+from refine.ops.lower import lower
+from refine.ops.registry import load_registry
 from refine.prove import infer
 from refine.relate import build_program, seq_input_relations
 from refine.soundness import SeedGen

@@ -15,7 +15,7 @@ from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.cli import main
 from refine.format import InputError
 from refine.mutate import OPERATORS, Judge, load_case, mutants, mutate_one
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus" / "entangle"
@@ -162,10 +162,10 @@ def test_corpus_mutants_are_caught(tmp_path: Path) -> None:
 
 def test_a_dead_site_is_neutral_and_too_large_a_case_is_unjudged(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above the evaluation budget nothing is evaluated (refine.evaluate.random_inputs raises
+    """Above the evaluation budget nothing is evaluated (refine.ops.interp.random_inputs raises
     EvalError, which localization's counterfactual edits also meet); a mutation whose site
     reaches no rank output is neutral without evaluation."""
-    from refine.evaluate import EvalError, random_inputs
+    from refine.ops.interp import EvalError, random_inputs
 
     paths = _tp_mlp(tmp_path)
     seq, dist, doc = load_case(*paths, REG)

@@ -39,8 +39,8 @@ from refine.mutate import (
     mutate_one,
     read_doc,
 )
-from refine.opset import load_registry
-from refine.schedule import deadlock
+from refine.ops.registry import load_registry
+from refine.ops.schedule import deadlock
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -243,7 +243,7 @@ def test_judge_reads_program_order_from_the_schedule() -> None:
     # groups that share one rank only: the order is free
     d = ("d", "all_reduce", ["x"], {"group": [1, 3]})
     assert not deadlock({0: _graph([a]), 1: _graph([d, a]), 2: _graph([]), 3: _graph([d])}, REG)
-    # a send and its recv meet (rendezvous, as refine.schedule decides): two ranks that both
+    # a send and its recv meet (rendezvous, as refine.ops.schedule decides): two ranks that both
     # send first wait for ever, as do two that both receive first
     send, recv = ("s", "send", ["x"], {"peer": 1}), ("r", "recv", [], {"peer": 1, "shape": [2]})
     send1, recv1 = ("s", "send", ["x"], {"peer": 0}), ("r", "recv", [], {"peer": 0, "shape": [2]})

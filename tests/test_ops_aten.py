@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from refine.build import GraphBuilder, seq_doc
-from refine.evaluate import close, eval_graph
 from refine.format import InputError, load_seq
 from refine.ir import sizes
-from refine.normalize import UnsupportedOp, lower
-from refine.opset import ShapeError, load_registry
+from refine.ops.interp import close, eval_graph
+from refine.ops.lower import UnsupportedOp, lower
+from refine.ops.registry import ShapeError, load_registry
 
 REG = load_registry()
 

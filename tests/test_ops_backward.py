@@ -1,7 +1,7 @@
 """Backward patterns of distributed training, written with the ops a traced step produces
 (mm of permuted tensors, sum over dim lists, native_layer_norm's statistics, index_put,
 gather/scatter, ...). Each correct program refines; each one with a collective left out
-does not; every relation inferred on either holds numerically (refine.evaluate.audit)."""
+does not; every relation inferred on either holds numerically (refine.ops.interp.audit)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.check import check
-from refine.evaluate import audit, differential
 from refine.format import load_dist, load_seq
 from refine.ir import sizes
-from refine.opset import load_registry
+from refine.ops.interp import audit, differential
+from refine.ops.registry import load_registry
 from refine.report import Report
 
 REG = load_registry()

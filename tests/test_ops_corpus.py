@@ -25,11 +25,11 @@ import torch
 from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.capture import aten
 from refine.check import check
-from refine.evaluate import audit, close, eval_graph
 from refine.format import load_dist, load_seq
 from refine.ir import sizes
-from refine.normalize import lower
-from refine.opset import load_registry
+from refine.ops.interp import audit, close, eval_graph
+from refine.ops.lower import lower
+from refine.ops.registry import load_registry
 
 REG = load_registry()
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"

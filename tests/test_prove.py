@@ -13,7 +13,7 @@ import pytest
 from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 
 def _stacked_tp_mlp(tmp_path: Path, layers: int, world: int = 2, bug_layer: int | None = None) -> tuple[Path, Path]:

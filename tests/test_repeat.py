@@ -13,7 +13,7 @@ from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, leaf
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 from refine.relate import DistProgram
 
 REG = load_registry()

@@ -13,11 +13,11 @@ import torch
 from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.evaluate import differential, random_inputs
 from refine.format import load_dist, load_seq
 from refine.ir.layout import join_replicas
 from refine.ir.term import Term, leaf
-from refine.opset import load_registry
+from refine.ops.interp import differential, random_inputs
+from refine.ops.registry import load_registry
 from refine.relate import build_program, seq_input_relations
 
 REG = load_registry()

@@ -14,7 +14,7 @@ from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
 from refine.importer.entangle import import_case
 from refine.ir.term import Term, leaf
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 from refine.report import Report
 from refine.reuse import Replayer, canon
 

@@ -11,7 +11,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from refine.opset import load_registry, rewrite
+from refine.ops.registry import load_registry, rewrite
 from refine.soundness import Harness
 
 ROOT = Path(__file__).resolve().parent.parent

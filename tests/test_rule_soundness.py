@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from refine.opset import Rule, load_registry, rewrite
+from refine.ops.registry import Rule, load_registry, rewrite
 from refine.soundness import Harness, RuleResult
 
 REG = load_registry()

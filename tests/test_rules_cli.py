@@ -8,10 +8,10 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from refine.cli import main
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
-WRONG = '''from refine.opset import rewrite
+WRONG = '''from refine.ops.registry import rewrite
 
 # a slice of a concat is NOT a slice of its second part at the same offsets
 RULES = [rewrite("tmp-wrong-slice-cat", "(slice (cat a b d) d s e)", "(slice b d s e)")]

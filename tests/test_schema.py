@@ -14,7 +14,7 @@ from jsonschema import Draft202012Validator
 
 from refine.format import InputError, load_dist, load_seq
 from refine.ir.graph import DTYPES
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "refine" / "schema" / "graph-v1.json").read_text())

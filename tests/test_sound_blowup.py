@@ -31,7 +31,7 @@ from refine import prove
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check, check_files
 from refine.format import load_dist, load_seq
-from refine.opset import Registry, load_registry, rule
+from refine.ops.registry import Registry, load_registry, rule
 from refine.soundness import Harness
 
 check_mod = importlib.import_module("refine.check")  # the module (refine exports its `check` function)

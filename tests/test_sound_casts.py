@@ -3,7 +3,7 @@
 For every op of the registry that takes a `dtype` attribute and every integer or bool
 dtype, a hand-written tensor-parallel pair where one side casts (the ranks, or the
 sequential program) and the values differ: the verdict is never REFINES (exit 1, or 2 when
-refine refuses the cast), and the numbers (refine.evaluate on the graphs as written) say
+refine refuses the cast), and the numbers (refine.ops.interp on the graphs as written) say
 the values do differ. Casts within one value class (float32 <-> bfloat16, float16, float64)
 and widening ones (int -> float) keep values, and still REFINE.
 """
@@ -22,10 +22,10 @@ from torch import nn
 
 from refine import capture
 from refine.cli import main
-from refine.evaluate import differential, eval_graph
 from refine.format import load_dist, load_seq
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
-from refine.opset import load_registry
+from refine.ops.interp import differential, eval_graph
+from refine.ops.registry import load_registry
 
 REG = load_registry()
 NARROW = ("int64", "int32", "int8", "uint8", "bool")

@@ -20,7 +20,7 @@ from refine import prove
 from refine.check import check_files
 from refine.format import load_seq
 from refine.ir import graph
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 Doc = dict[str, Any]
 KINDS = ("elementwise", "views", "matmuls", "sum")

@@ -24,7 +24,7 @@ from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check
 from refine.cli import main
 from refine.format import load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -32,7 +32,7 @@ EXAMPLE = MODELS / "rule_example"
 
 CUMSUM = '''import torch
 
-from refine.opset import Op, ShapeError, rewrite
+from refine.ops.registry import Op, ShapeError, rewrite
 
 
 def _shape(ins, attrs):
@@ -51,7 +51,7 @@ RULES = [
 '''
 
 VIEW_CAT = '''from refine.ir.term import Term
-from refine.opset import rewrite
+from refine.ops.registry import rewrite
 
 # wrong: a view of a concat along dim 1 back to the rows' shape is not the concat along dim 0
 RULES = [rewrite("tmp-view-cat-rows", "(view (cat a b 1) s)", "(cat a b 0)",
@@ -67,7 +67,7 @@ def SEEDS(gen):
 # name: (rule file, bundled buggy case, the wrong rule)
 WRONG = {
     # x + x collected as 1 x: the sum of an all_reduce done twice looks like one
-    "constant-factor": ('''from refine.opset import rule
+    "constant-factor": ('''from refine.ops.registry import rule
 
 ONE = "(bigrat (bigint 1) (bigint 1))"
 RULES = [rule("tmp-sum-duplicate-factor", ["(= e (Sum ms))", "(SumHas e a)", "(= s (shape e))", "(= s (shape a))",
@@ -76,7 +76,7 @@ RULES = [rule("tmp-sum-duplicate-factor", ["(= e (Sum ms))", "(SumHas e a)", "(=
               [f"(union e (Sum (multiset-insert (multiset-remove (multiset-remove ms a) a) (Scale a {ONE}))))"])]
 ''', "tp_mlp_bug_double_all_reduce", "tmp-sum-duplicate-factor"),
     # equal pieces of a concat swapped: a gather in the reversed rank order looks right
-    "concat-order": ('''from refine.opset import rewrite
+    "concat-order": ('''from refine.ops.registry import rewrite
 
 RULES = [rewrite("tmp-cat-swap-equal", "(cat a b d)", "(cat b a d)", "(= (size a d) (size b d))")]
 ''', "sp_mlp_bug_gather_wrong_order", "tmp-cat-swap-equal"),
@@ -170,21 +170,21 @@ def test_an_untested_rule_is_refused_unless_trusted(tmp_path: Path) -> None:
 
 # ops and declarations the harness cannot check: each refused unless trusted
 UNTESTED = {
-    "collective": ('''from refine.opset import Op
+    "collective": ('''from refine.ops.registry import Op
 
 OPS = [Op("tmp_all_reduce_half", 1, lambda ins, a: ins[0], (("group", "ints"),), kind="collective",
           lower=lambda xs, i, a, size: xs[0])]
 ''', "op tmp_all_reduce_half", "a new collective"),
     "unsampled-op": ('''from fractions import Fraction
 
-from refine.opset import Op
+from refine.ops.registry import Op
 
 OPS = [Op("tmp_scaled", 1, lambda ins, a: ins[0], (("k", "float"),), ref=lambda x, k: k * x,
           decompose=lambda b, args, attrs, t: b.scale(args[0], Fraction(attrs["k"])))]
 ''', "op tmp_scaled", "could not try its decomposition"),
     "decl-rule": ('''DECLS = ["(relation TmpSeen (i64))", "(rule ((TmpSeen n)) ((TmpSeen (+ n 0))))"]
 ''', "DECLS", "is not only declarations (rule)"),
-    "shape-rule-union": ('''from refine.opset import Op, same_shape
+    "shape-rule-union": ('''from refine.ops.registry import Op, same_shape
 
 # right, but a rewrite hidden in the shape rule would never be verified
 OPS = [Op("tmp_neg", 1, same_shape(), ref=lambda x: -x, core=True,
@@ -228,7 +228,7 @@ def test_a_wrong_decomposition_is_refused(tmp_path: Path) -> None:
     as 3x would make a rank computing 3x refine."""
     rules = _rules_dir(tmp_path, "double", '''from fractions import Fraction
 
-from refine.opset import Op, same_shape
+from refine.ops.registry import Op, same_shape
 
 OPS = [Op("tmp_double", 1, same_shape(), ref=lambda x: 2 * x,
           decompose=lambda b, args, attrs, t: b.scale(args[0], Fraction(3)))]
@@ -246,7 +246,7 @@ def test_a_new_op_declared_elementwise_wrongly_is_refused(tmp_path: Path) -> Non
     """The built-in templates make rules for every unary op (through concats, into slices):
     for a new op they are new rules, verified like the family's own. A reversal declared
     `kind="unary"` is not elementwise, and the template's rule for it is refused."""
-    rules = _rules_dir(tmp_path, "flip", '''from refine.opset import Op, same_shape
+    rules = _rules_dir(tmp_path, "flip", '''from refine.ops.registry import Op, same_shape
 
 OPS = [Op("tmp_flip", 1, same_shape(), ref=lambda x: x.flip(0), core=True, kind="unary")]
 ''')

@@ -35,7 +35,7 @@ from refine.ir.term import (
     to_egglog,
     unquote,
 )
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 REG = load_registry()
 
@@ -332,7 +332,7 @@ LOWERED = [("exp", "exp_t"), ("relu", "relu_t"), ("sigmoid", "sigmoid_t"), ("tan
 def _made_up_name(op: str) -> str:
     """The name lowering gives the core node of a node "e" = op(x)."""
     from refine.ir.graph import Graph, Input, Node, TensorType
-    from refine.normalize import lower
+    from refine.ops.lower import lower
 
     t = TensorType((2, 4), "float32")
     g = Graph([Input("x", t)], [Node("e", op, ["x"], {}, t)], [])

@@ -1,4 +1,4 @@
-"""Program order (refine.schedule): a distributed program whose ranks issue their collectives
+"""Program order (refine.ops.schedule): a distributed program whose ranks issue their collectives
 and sends/receives in an order that deadlocks computes nothing, so it does NOT refine, even
 when matching the k-th op of each group or pair relates every output correctly.
 
@@ -8,7 +8,7 @@ over the overlapping pairs of 3 ranks issued in an order that cycles, and a pipe
 that waits for its gradient before sending its activation (captured from PyTorch). Sends
 are rendezvous (the conservative model): an exchange or a ring where every rank sends first
 deadlocks too, unless the sends and receives are one batch (`batch_isend_irecv`).
-`refine.evaluate.eval_ranks` runs in an order the program allows and raises on a deadlock
+`refine.ops.interp.eval_ranks` runs in an order the program allows and raises on a deadlock
 instead of reading a tensor before its send runs.
 """
 
@@ -28,12 +28,12 @@ from torch import nn
 
 from refine import capture
 from refine.check import check, check_files
-from refine.evaluate import EvalError, eval_ranks, random_inputs
 from refine.format import InputError, load_dist, load_seq
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
-from refine.opset import load_registry
+from refine.ops.interp import EvalError, eval_ranks, random_inputs
+from refine.ops.registry import load_registry
+from refine.ops.schedule import simulate
 from refine.report import Report
-from refine.schedule import simulate
 
 REG = load_registry()
 SRC = "order.py"

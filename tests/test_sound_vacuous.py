@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from refine.check import check, check_files
 from refine.cli import main
 from refine.format import InputError, load_dist, load_seq
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 REG = load_registry()
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"

@@ -10,11 +10,11 @@ import pytest
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check, engine_for, is_symbolic
-from refine.evaluate import audit, instantiate, valuation
 from refine.format import load_dist, load_seq
 from refine.ir import sizes
-from refine.normalize import lower
-from refine.opset import load_registry
+from refine.ops.interp import audit, instantiate, valuation
+from refine.ops.lower import lower
+from refine.ops.registry import load_registry
 from refine.prove import infer
 from refine.relate import build_program, seq_input_relations
 

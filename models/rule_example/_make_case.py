@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
-from refine.opset import load_registry
+from refine.ops.registry import load_registry
 
 HERE = Path(__file__).resolve().parent
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from refine.ir.graph import TensorType
-from refine.opset import Op, ShapeError, rewrite
+from refine.ops.registry import Op, ShapeError, rewrite
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:

@@ -39,7 +39,7 @@ from refine.capture.trace import Step, Traced, copy_grad_hooks, fake_process_gro
 from refine.capture.values import check_values, has_values
 from refine.format import FORMAT, VERSION, InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph
-from refine.opset import Registry, load_registry
+from refine.ops.registry import Registry, load_registry
 from refine.report import Report
 
 
@@ -393,7 +393,7 @@ def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: R
     """Evaluate the captured sequential graph with refine's interpreter on the model's own
     values and compare it with the step run eagerly (both in float64): a translation that
     changed what the step computes must never reach the checker."""
-    from refine.evaluate import close, eval_graph, max_err
+    from refine.ops.interp import close, eval_graph, max_err
 
     shapes_only = [n for n, _, v in traced.inputs if not has_values(v)]
     if shapes_only:

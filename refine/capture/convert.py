@@ -26,8 +26,8 @@ from refine.capture import aten
 from refine.capture.errors import CaptureError
 from refine.capture.trace import BATCH, Traced, source_of
 from refine.ir.graph import Arg, TensorType
-from refine.normalize import held, normalize_attrs
-from refine.opset import Registry, ShapeError
+from refine.ops.lower import held, normalize_attrs
+from refine.ops.registry import Registry, ShapeError
 
 
 @dataclass
@@ -397,7 +397,7 @@ class Emitter:
         if not 0 <= peer < len(group):
             raise self.fail(f"peer {peer} is not a rank of group {group}")
         val = x.meta["val"]
-        batch = n.meta.get(BATCH)  # posted by one batch_isend_irecv call (refine.schedule)
+        batch = n.meta.get(BATCH)  # posted by one batch_isend_irecv call (refine.ops.schedule)
         if qual == "c10d::send":
             return self.emit("send", [self.value(x)], {"peer": group[peer], "batch": batch}, val=val)
         return self.emit("recv", [], {"peer": group[peer], "shape": [int(s) for s in val.shape],

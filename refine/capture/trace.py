@@ -172,7 +172,7 @@ BATCH = "refine_batch"  # FX node meta: the batch_isend_irecv call a send/recv w
 @contextmanager
 def _marking_batches() -> Iterator[None]:
     """The sends and recvs one `dist.batch_isend_irecv` call posts trace as the same ops as
-    blocking ones: mark them with the call's number, so refine.schedule knows they are posted
+    blocking ones: mark them with the call's number, so refine.ops.schedule knows they are posted
     together (a ring of them does not deadlock; the same ops posted one by one can)."""
     real = dist.batch_isend_irecv
     calls = itertools.count()

@@ -8,7 +8,7 @@ checkpoint converter that splits a weight strided (`w[r::tp]`) where the annotat
 or pieces of a Partial(sum) that do not add up would all be proven against a relation the
 program does not have. Capture holds both sides' values (parameters, buffers, and the data
 inputs the steps are given), so each relation is checked here, by refine's own meaning of
-it (refine.evaluate: `torch.chunk` per Shard, reductions per Partial, layout terms
+it (refine.ops.interp: `torch.chunk` per Shard, reductions per Partial, layout terms
 evaluated), within a rounding tolerance of the coarser dtype (exact for integers and bools).
 
 Tensors without values (the meta device, fake tensors) cannot be checked: their relations
@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 
 from refine.capture.errors import CaptureError
-from refine.evaluate import EvalError, canon, eval_term
 from refine.ir.graph import Dist, Graph, Mesh, Placement, Relation
-from refine.opset import Registry
+from refine.ops.interp import EvalError, canon, eval_term
+from refine.ops.registry import Registry
 
 # a copy may round once per dtype conversion; a reduction of k pieces adds k roundings
 _ROUNDINGS = 4

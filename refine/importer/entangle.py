@@ -46,7 +46,7 @@ from refine.capture.errors import CaptureError
 from refine.format import InputError
 from refine.importer.gpickle import NodeRef, PGraph, PNode, SymbolRef, load_gpickle
 from refine.ir.graph import TensorType
-from refine.opset import Registry, load_registry
+from refine.ops.registry import Registry, load_registry
 
 _FILE = re.compile(r"(?P<dir>fw|bw|both)\.g(?P<gid>\d+)\.r(?P<rank>\d+)\.gpickle$")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')

@@ -16,7 +16,7 @@ from typing import Any
 
 from refine.ir.graph import Arg, Graph, Node, TensorType, narrowing, value_class
 from refine.ir.sizes import Sym
-from refine.opset import Op, Registry, ShapeError
+from refine.ops.registry import Op, Registry, ShapeError
 
 
 class UnsupportedOp(ValueError):

@@ -165,8 +165,7 @@ def _with_family(op: Op, family: str) -> Op:
 
 def builtin_rules_dir() -> Path:
     """`rules/` of a checkout, or the copy installed as `refine.rules_builtin`."""
-    here = Path(__file__).resolve().parent
-    checkout = here.parent / "rules"
+    checkout = Path(__file__).resolve().parents[2] / "rules"  # refine/ops/registry.py -> the checkout
     if checkout.is_dir():
         return checkout
     spec = importlib.util.find_spec("refine.rules_builtin")

@@ -4,7 +4,7 @@ Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on
 each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
 `refine.relate` matches them: the k-th collective of a group on each member, and sends and
 receives between a pair of ranks in program order; they run in an order the ranks' program
-order allows (`refine.schedule`), and a program that deadlocks is an `EvalError`.
+order allows (`refine.ops.schedule`), and a program that deadlocks is an `EvalError`.
 
 On top of the interpreter:
 
@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from refine import schedule
 from refine.ir import sizes
 from refine.ir.graph import (
     Define,
@@ -45,8 +44,9 @@ from refine.ir.graph import (
 )
 from refine.ir.layout import join_replicas
 from refine.ir.term import LEAF_OPS, OPAQUE, Term
-from refine.normalize import lower, normalize_attrs
-from refine.opset import Registry, load_registry
+from refine.ops import schedule
+from refine.ops.lower import lower, normalize_attrs
+from refine.ops.registry import Registry, load_registry
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -227,7 +227,7 @@ def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
 def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
                inputs: Mapping[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
     """Every tensor of every rank, collectives simulated across ranks in an order the ranks'
-    program order allows (refine.schedule): a collective or a recv reads its partners'
+    program order allows (refine.ops.schedule): a collective or a recv reads its partners'
     tensors only once each partner has reached the matching op. A program whose order
     deadlocks is an EvalError naming where each rank waits."""
     env: dict[int, dict[str, Tensor]] = {}

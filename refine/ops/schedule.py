@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refine.ir.graph import Graph, Node
-from refine.opset import Registry
+from refine.ops.registry import Registry
 from refine.report import Stuck
 
 Key = tuple[Any, ...]  # (group, k) for a collective, (("p2p", src, dst), j) for a send/recv
