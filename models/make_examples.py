@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ir import sizes
 
 HERE = Path(__file__).resolve().parent

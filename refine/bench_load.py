@@ -1,6 +1,6 @@
 """`make bench`: loading at scale. Chain and tree graphs of 10^4, 10^5 and 10^6 nodes (per
 graph: the sequential one and each of two ranks') are written as JSON and loaded
-(`refine.format.load_seq` / `load_dist`, every check the loader makes), each size in a
+(`refine.frontends.graphfile.load_seq` / `load_dist`, every check the loader makes), each size in a
 subprocess of its own for its time and peak memory; the time per node shows whether loading
 is linear. A correct 10^4-node chain pair is then checked whole (`refine check`). Measured
 here, never asserted in tests; writes bench_load.md.
@@ -107,7 +107,7 @@ def _peak_mib() -> float:
 
 def _load(seq: str, dist: str) -> dict[str, Any]:
     """In the subprocess: load both files, with times and peak memory."""
-    from refine.format import load_dist, load_seq
+    from refine.frontends.graphfile import load_dist, load_seq
     from refine.ops.registry import load_registry
 
     registry = load_registry()

@@ -81,7 +81,7 @@ def dp_tp_stat(out: str | Path, dp: int = 2, tp: int = 2) -> None:
     output (its sum, a logging metric) all-reduced over every rank first. Nothing orders the
     two collectives but the program: a rank that runs the tp one first waits for a partner
     that waits for it in the world one."""
-    from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+    from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 
     T, H, F = 8, 8, 16
     s = GraphBuilder()
@@ -113,7 +113,7 @@ def dp_tp_stat(out: str | Path, dp: int = 2, tp: int = 2) -> None:
 def tp_mlp_bf16(out: str | Path, world: int = 2) -> None:
     """A tensor-parallel MLP whose fc1 output is kept in bfloat16 (`to_copy`) and read back
     as float32 (`cast`), as activation memory savings do: dtype attributes to mutate."""
-    from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+    from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 
     T, H, F = 8, 8, 16
 
@@ -152,7 +152,7 @@ def _write_case(case: Case, d: Path) -> None:
         spec.loader.exec_module(model)
         capture(model.make_case(**kwargs)).write(d)
     else:
-        from refine.importer.entangle import import_case
+        from refine.frontends.importer.entangle import import_case
 
         seq_dir, dist_dir, rel = case.source
         import_case(CORPUS / seq_dir, CORPUS / dist_dir, RELATIONS / rel).write(d)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from refine.copies import join_copies
 from refine.extra_rules import require_verified
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.localize import localize

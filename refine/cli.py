@@ -8,7 +8,7 @@ from typing import NoReturn
 import click
 from rich.console import Console
 
-from refine.format import InputError
+from refine.frontends.graphfile import InputError
 
 
 @click.group()
@@ -56,9 +56,9 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
               help="passed to FUNC as world_size= (or checked against its Spec)")
 @click.option("--check", "then_check", is_flag=True, help="check the captured pair right away")
 def capture_cmd(target: str, out: str, world_size: int | None, then_check: bool) -> None:
-    """Capture a PyTorch training step: FUNC returns a refine.capture.Spec (sequential step and
+    """Capture a PyTorch training step: FUNC returns a refine.frontends.capture.Spec (sequential step and
     per-rank steps); write OUT/seq.json and OUT/dist.json."""
-    from refine.capture import CaptureError, Case, capture, load_target
+    from refine.frontends.capture import CaptureError, Case, capture, load_target
 
     try:
         spec = load_target(target, world_size)
@@ -106,7 +106,7 @@ def import_entangle_cmd(seq_dir: str, dist_dir: str, out: str, relations: str | 
                         graph_id: int) -> None:
     """Read GraphGuard/Entangle .gpickle dumps: SEQ_DIR (the sequential graph) and DIST_DIR
     (one graph per rank); write OUT/seq.json and OUT/dist.json."""
-    from refine.importer.entangle import import_case
+    from refine.frontends.importer.entangle import import_case
 
     try:
         case = import_case(seq_dir, dist_dir, relations, direction, graph_id=graph_id)

@@ -96,7 +96,7 @@ class RankContext:
 def rank_context(report: Report, seq_path: str | Path, dist_path: str | Path,
                  rules: Iterable[str | Path] = ()) -> RankContext:
     """Reload the case and read the culprit's neighbourhood off the distributed program."""
-    from refine.format import load_dist, load_seq
+    from refine.frontends.graphfile import load_dist, load_seq
     from refine.ops.registry import load_registry
     from refine.relate import build_program
 

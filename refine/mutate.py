@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine.format import InputError, load_dist, read_json
+from refine.frontends.graphfile import InputError, load_dist, read_json
 from refine.ir import sizes
 from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
@@ -819,7 +819,7 @@ def _rename(doc: Doc, seq_doc: Doc, site: str, rng: random.Random) -> str | None
 
 def load_seq_doc(seq_doc: Doc, registry: Registry) -> Graph:
     """Load a sequential document the way `refine check` would (raises InputError if it does not)."""
-    from refine.format import load_seq
+    from refine.frontends.graphfile import load_seq
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "seq.json"
@@ -1236,7 +1236,7 @@ def run(seq: Graph, dist: Dist, doc: Doc, registry: Registry, count: int, seed: 
 
 
 def load_case(seq_path: str | Path, dist_path: str | Path, registry: Registry) -> tuple[Graph, Dist, Doc]:
-    from refine.format import load_seq
+    from refine.frontends.graphfile import load_seq
 
     seq = load_seq(seq_path, registry)
     return seq, load_dist(dist_path, registry, seq), json.loads(json.dumps(read_json(dist_path)))

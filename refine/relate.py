@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from refine.format import InputError
+from refine.frontends.graphfile import InputError
 from refine.ir.graph import (
     Dist,
     Graph,
@@ -141,7 +141,7 @@ def build_program(dist: Dist, registry: Registry, file: str) -> tuple[DistProgra
 def _match_collectives(cores: dict[int, Graph], registry: Registry, file: str) -> dict[str, Term]:
     """The k-th collective of a group on each member are one collective.
 
-    The loader (refine.format) already checks all of this with exact JSON paths; these checks
+    The loader (refine.frontends.graphfile) already checks all of this with exact JSON paths; these checks
     are a backstop for programs built in Python, so they name the rank, not a path."""
     by_group: dict[tuple[tuple[int, ...], int], dict[int, Node]] = {}
     sends: dict[tuple[int, int], list[str]] = {}

@@ -1,7 +1,7 @@
 """ATen ops that graphs captured by other tools contain (the external corpus: Megatron GPT
 joint forward/backward graphs, vLLM Qwen2), but that refine's own capture never produces
 (its decompositions expand them first). Each op is named as its aten base name, so
-refine/capture/aten.py's generic mapping reaches it; semantics are the aten ops' (their
+refine/frontends/capture/aten.py's generic mapping reaches it; semantics are the aten ops' (their
 torch references below call the aten op itself where one exists).
 """
 

@@ -9,7 +9,7 @@ or, so `cast(a + b)` is not `cast(a) + cast(b)` when a and b are masks. The core
 templates of `elementwise.py`, always sound: a cast acts on each element alone) and has no
 rule over `Sum`. Casts that narrow the class lose values (float to int truncates, to bool
 binarizes; int to bool) and are refused: here, for every op that takes a `dtype`
-(identity.py), and for a node whose dtype narrows its op's (refine.format).
+(identity.py), and for a node whose dtype narrows its op's (refine.frontends.graphfile).
 """
 
 from __future__ import annotations

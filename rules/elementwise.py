@@ -281,7 +281,7 @@ BINARY = {
 }
 PREDICATES = {"lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t", "logical_or_t", "logical_and_t", "logical_not_t"}
 # ops whose value is a float whatever their inputs (torch.exp of an int64 tensor is float32;
-# `/` is true division): a node declaring an integer dtype for one is refused (refine.format)
+# `/` is true division): a node declaring an integer dtype for one is refused (refine.frontends.graphfile)
 FLOATING = {"exp_t", "log_t", "sqrt_t", "rsqrt_t", "sigmoid_t", "silu_t", "tanh_t", "reciprocal_t", "erf_t",
             "sin_t", "cos_t", "div_t", "gelu_t"}
 

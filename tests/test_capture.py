@@ -1,4 +1,4 @@
-"""Capture real PyTorch training steps (refine.capture) and check them end to end.
+"""Capture real PyTorch training steps (refine.frontends.capture) and check them end to end.
 
 Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
 captured programs (simulated collectives) to show each bug twin computes what it claims.
@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from torch import nn
 
 from refine import capture, check
-from refine.capture import CaptureError
 from refine.check import check_files
 from refine.cli import main
+from refine.frontends.capture import CaptureError
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 HERE = Path(__file__)
@@ -384,7 +384,7 @@ def test_ambiguous_guesses_ask_for_an_annotation() -> None:
 
 
 def test_replay_catches_a_wrong_translation(monkeypatch: pytest.MonkeyPatch) -> None:
-    from refine.capture import aten
+    from refine.frontends.capture import aten
 
     def ones_as_twos(em: Any, node: Any, a: dict[str, Any]) -> str:
         return em.emit("full", [], {"value": 2.0, "shape": [int(s) for s in node.meta["val"].shape]})
@@ -400,7 +400,7 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["capture", f"{case}:make_case", "--out", str(out)])
     assert result.exit_code == 2
-    assert "error:" in result.output and "must return a refine.capture.Spec" in result.output
+    assert "error:" in result.output and "must return a refine.frontends.capture.Spec" in result.output
     assert not out.exists()
     result = CliRunner().invoke(main, ["capture", f"{case}:nope", "--out", str(out)])
     assert result.exit_code == 2 and "has no function 'nope'" in result.output

@@ -19,7 +19,7 @@ from capture_helpers import failing, line_of, load_model
 from torch import nn
 
 from refine import capture
-from refine.capture import trace
+from refine.frontends.capture import trace
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.ops.interp import (
     apply_op,

@@ -24,9 +24,9 @@ from capture_helpers import failing, line_of, load_model, wrong_numerically
 from torch import nn
 
 from refine import capture
-from refine.build import GraphBuilder, seq_doc
-from refine.capture.errors import CaptureError
-from refine.format import load_seq
+from refine.frontends.build import GraphBuilder, seq_doc
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.graphfile import load_seq
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import lower
 from refine.ops.registry import Rule, ShapeError, load_registry, rewrite, rule

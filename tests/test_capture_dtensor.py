@@ -1,4 +1,4 @@
-"""DTensor `parallelize_module` code captured and checked (refine.capture.dtensor): relations
+"""DTensor `parallelize_module` code captured and checked (refine.frontends.capture.dtensor): relations
 derived from placements, Colwise/Rowwise/SequenceParallel steps refine, bug twins do not,
 and `refine.ops.interp.differential` confirms each twin is numerically wrong where it should be."""
 
@@ -18,11 +18,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from refine import capture
-from refine.capture import CaptureError
-from refine.capture.annotate import DERIVERS, annotation_of
-from refine.capture.dtensor import derive
 from refine.check import check_files
 from refine.cli import main
+from refine.frontends.capture import CaptureError
+from refine.frontends.capture.annotate import DERIVERS, annotation_of
+from refine.frontends.capture.dtensor import derive
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 

@@ -21,8 +21,8 @@ import torch
 from capture_helpers import failing, load_model, wrong_numerically
 
 from refine import capture, check
-from refine.build import GraphBuilder, seq_doc
-from refine.format import load_seq
+from refine.frontends.build import GraphBuilder, seq_doc
+from refine.frontends.graphfile import load_seq
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry

@@ -1,5 +1,5 @@
 """A Hugging Face transformers Llama under transformers' own tensor-parallel plan, captured
-(models/capture/hf_llama.py, refine/capture/hf.py) and checked."""
+(models/capture/hf_llama.py, refine/frontends/capture/hf.py) and checked."""
 
 from __future__ import annotations
 

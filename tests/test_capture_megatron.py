@@ -1,6 +1,6 @@
 """Capture Megatron-core's own tensor- and sequence-parallel layers (megatron-core 0.16, CPU)
 and check them end to end: the parameters' relations come from Megatron's marks
-(refine.capture.megatron), not from annotations or guesses.
+(refine.frontends.capture.megatron), not from annotations or guesses.
 
 Skipped when megatron-core is not installed (it is in the `dev` extra).
 """
@@ -21,10 +21,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 from click.testing import CliRunner  # noqa: E402
 
 from refine import capture  # noqa: E402
-from refine.capture import CaptureError, megatron  # noqa: E402
-from refine.capture.annotate import DERIVERS, annotation_of  # noqa: E402
 from refine.check import check_files  # noqa: E402
 from refine.cli import main  # noqa: E402
+from refine.frontends.capture import CaptureError, megatron  # noqa: E402
+from refine.frontends.capture.annotate import DERIVERS, annotation_of  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CASE = MODELS / "megatron_mlp.py"
@@ -130,7 +130,7 @@ def test_ranks_are_captured_one_after_another_cleanly(sp_case: capture.Case) -> 
 
 
 def test_importing_refine_does_not_import_megatron() -> None:
-    code = ("import sys, refine, refine.capture, refine.check, refine.cli\n"
+    code = ("import sys, refine, refine.frontends.capture, refine.check, refine.cli\n"
             "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules), 'megatron imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -20,7 +20,7 @@ from capture_helpers import failing, load_model, wrong_numerically
 from torch import nn
 
 from refine import capture, check
-from refine.capture import CaptureError
+from refine.frontends.capture import CaptureError
 from refine.ops.registry import Rule, load_registry, rewrite
 from refine.soundness import Harness
 

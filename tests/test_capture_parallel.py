@@ -1,4 +1,4 @@
-"""Capture expert-parallel and FSDP-style training steps (refine.capture) and check them end to end.
+"""Capture expert-parallel and FSDP-style training steps (refine.frontends.capture) and check them end to end.
 
 Two hand-written torch.distributed programs in the style of models/capture/tp_mlp.py:
 

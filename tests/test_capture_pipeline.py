@@ -22,13 +22,13 @@ from capture_helpers import failing, load_model, wrong_numerically
 from torch import nn
 
 from refine import capture
-from refine.build import write_case
-from refine.capture.errors import CaptureError
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.build import write_case
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
-SCHEMA = Path(__file__).resolve().parent.parent / "refine" / "schema" / "graph-v1.json"
+SCHEMA = Path(__file__).resolve().parent.parent / "refine" / "frontends" / "schema" / "graph-v1.json"
 
 
 PP = load_model("pp_tied")

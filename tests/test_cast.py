@@ -10,7 +10,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from refine import capture
-from refine.capture import CaptureError
+from refine.frontends.capture import CaptureError
 from refine.ir.graph import TensorType
 from refine.ops.interp import differential
 from refine.ops.registry import ShapeError, load_registry

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.interp import differential
 from refine.ops.registry import load_registry
 from refine.relate import build_program, seq_input_relations

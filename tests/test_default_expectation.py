@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from refine.check import check
-from refine.format import load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models"

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.term import LayoutSyntaxError, Term, leaf, parse_layout
 from refine.ops.interp import differential, random_inputs
 from refine.ops.registry import load_registry

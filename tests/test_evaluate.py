@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refine.check import check
-from refine.format import load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
 from refine.ir.term import Term, leaf, parse_layout
 from refine.ops.interp import (

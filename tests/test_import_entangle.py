@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from refine.check import check_files
 from refine.cli import main
-from refine.format import InputError
-from refine.importer.entangle import fused_layout, fused_layouts, import_case
+from refine.frontends.graphfile import InputError
+from refine.frontends.importer.entangle import fused_layout, fused_layouts, import_case
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 MODELS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"
@@ -73,7 +73,7 @@ def test_gpt_pair_imports(tmp_path: Path) -> None:
     # the source lines come from the dump's stack traces
     assert any(n.get("source") == "cross_entropy.py:245" for n in dist["ranks"][1]["graph"]["nodes"])
     # the pair passes refine's loader (collectives matched, relations make the sequential shapes)
-    from refine.format import load_dist, load_seq
+    from refine.frontends.graphfile import load_dist, load_seq
     from refine.ops.registry import load_registry
 
     reg = load_registry()
@@ -369,7 +369,7 @@ def test_bad_pickle_exits_2_naming_the_file(tmp_path: Path) -> None:
 def test_source_lines_and_assigned_numbers() -> None:
     """A node's source is the innermost frame outside torch; a constant's value is read only
     from a source line that assigns a number through a subscript (parsed, never run)."""
-    from refine.importer.entangle import _assigned_number, _frame_source
+    from refine.frontends.importer.entangle import _assigned_number, _frame_source
 
     trace = ('  File "/a/model.py", line 10, in forward\n    y = f(x)\n'
              '  File "/a/layers.py", line 255, in forward\n    masked_input[input_mask] = 0\n'
@@ -401,7 +401,7 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
     defines = {d["define"]: d["as"] for d in doc["relations"] if "define" in d}
     assert sorted(defines) == sorted([f"p9_10@{k}" for k in range(6)] + ["p10_11@5", "p12_13@5", "p13_14@5", "p14_15@5"])
     assert defines["p10_11@5"] == "cat(slice(p10_11, 1, 1920, 2048), zeros([2048, 256]), dim=1)"
-    from refine.format import load_dist, load_seq
+    from refine.frontends.graphfile import load_dist, load_seq
     from refine.ops.registry import load_registry
     reg = load_registry()
     seq = load_seq(out / "seq.json", reg)

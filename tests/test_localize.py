@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from refine.check import check_files, engine_for
-from refine.format import load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.interp import apply_op
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.cli import main
-from refine.format import InputError
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import InputError
 from refine.mutate import OPERATORS, Judge, load_case, mutants, mutate_one
 from refine.ops.registry import load_registry
 
@@ -147,7 +147,7 @@ def test_cli_mutate_exits_1_on_an_unsound_verdict(tmp_path: Path, monkeypatch: p
 def test_corpus_mutants_are_caught(tmp_path: Path) -> None:
     """aws_llama TP2 one layer (a check is a few CPU seconds): a dropped all_reduce on one
     rank and a residual added before the sum on every rank."""
-    from refine.importer.entangle import import_case
+    from refine.frontends.importer.entangle import import_case
 
     case = import_case(CORPUS / "aws_llama" / "tp1_layer1", CORPUS / "aws_llama" / "tp2_layer1",
                        ROOT / "models" / "entangle" / "relations" / "aws_llama.json")
@@ -196,7 +196,7 @@ def test_corpus_gpt_loss_scaled_on_every_rank_does_not_refine(tmp_path: Path) ->
     Without an expectation the loss need only be reconstructible from the rank outputs, and
     `2 * output@0` is: the check said REFINES. models/entangle/relations/gpt.json now says the
     loss is Replicate. (Too large to evaluate: the judge reports the verdict only.)"""
-    from refine.importer.entangle import import_case
+    from refine.frontends.importer.entangle import import_case
 
     case = import_case(CORPUS / "gpt" / "paral1_layer1", CORPUS / "gpt" / "paral2_layer1",
                        ROOT / "models" / "entangle" / "relations" / "gpt.json")
@@ -215,7 +215,7 @@ def test_corpus_output_expectation_is_guessed_from_shapes(tmp_path: Path) -> Non
     it by shape like an input (the loss: Replicate) and flags the guess, so the loss halved on
     every rank is still DOES NOT REFINE, and the correct case still refines."""
     from refine.check import check_files
-    from refine.importer.entangle import import_case
+    from refine.frontends.importer.entangle import import_case
 
     rel = json.loads((ROOT / "models" / "entangle" / "relations" / "gpt.json").read_text())
     del rel["outputs"]

@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.format import InputError
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import InputError
 from refine.ir.term import parse_layout
 from refine.mutate import (
     ALL_OPERATORS,

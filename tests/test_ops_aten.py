@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from refine.build import GraphBuilder, seq_doc
-from refine.format import InputError, load_seq
+from refine.frontends.build import GraphBuilder, seq_doc
+from refine.frontends.graphfile import InputError, load_seq
 from refine.ir import sizes
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import UnsupportedOp, lower

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from refine.build import GraphBuilder, dist_doc, seq_doc
 from refine.check import check
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
 from refine.ops.interp import audit, differential
 from refine.ops.registry import load_registry

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from refine.build import GraphBuilder, dist_doc, seq_doc
-from refine.capture import aten
 from refine.check import check
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc
+from refine.frontends.capture import aten
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
 from refine.ops.interp import audit, close, eval_graph
 from refine.ops.lower import lower
@@ -538,7 +538,7 @@ FRAMEWORK_OPS: dict[str, list[str]] = {
 WRAPPERS = {"auto_functionalized", "auto_functionalized_v2"}
 
 # ATen targets that capture's op table refuses but the corpus importer translates
-# (refine/importer/entangle.py), each by the mechanism named here; every entry is exercised
+# (refine/frontends/importer/entangle.py), each by the mechanism named here; every entry is exercised
 # on a small dump by test_importer_mechanism below (IMPORTER_CASES has the same keys)
 IMPORTED: dict[str, str] = {
     "aten.native_dropout.default": "EntangleEmitter._dropout: the keep-mask (getitem 1) is lifted to a bool input "
@@ -587,7 +587,7 @@ def _aten_coverage(target: str, getitems: set[int]) -> str | None:
 def test_every_corpus_call_target_is_covered() -> None:
     import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional ops
 
-    from refine.importer.gpickle import NodeRef, load_gpickle
+    from refine.frontends.importer.gpickle import NodeRef, load_gpickle
 
     calls: collections.Counter[str] = collections.Counter()
     getitems: dict[str, set[int]] = collections.defaultdict(set)
@@ -653,7 +653,7 @@ def test_an_uncovered_target_is_reported() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# the importer's mechanisms for IMPORTED, each on a small dump (refine.importer.gpickle's
+# the importer's mechanisms for IMPORTED, each on a small dump (refine.frontends.importer.gpickle's
 # plain PNode/PGraph, as load_gpickle makes them), translated by the importer and run by
 # refine's interpreter against torch
 
@@ -664,7 +664,7 @@ class _Dump:
 
     def _add(self, name: str, op: str, target: str, args: tuple[Any, ...], kwargs: dict[str, Any],
              shape: list[int] | None, dtype: str | None) -> Any:
-        from refine.importer.gpickle import NodeRef, PNode
+        from refine.frontends.importer.gpickle import NodeRef, PNode
 
         self.nodes.append(PNode(name, op, target, args, kwargs, None if shape is None else tuple(shape), dtype))
         return NodeRef(name)
@@ -680,7 +680,7 @@ class _Dump:
         return self.call(name, "<built-in function getitem>", src, i, shape=shape, dtype=dtype)
 
     def graph(self, *outs: Any) -> Any:
-        from refine.importer.gpickle import PGraph
+        from refine.frontends.importer.gpickle import PGraph
 
         self._add("output", "output", "output", (list(outs),), {}, None, None)
         return PGraph("test.gpickle", self.nodes, "fw", 0, 0)
@@ -821,7 +821,7 @@ def test_every_importer_entry_has_a_case() -> None:
 def test_importer_mechanism(tmp_path: Path, target: str) -> None:
     """The dump translates (the buffers are never inputs unless read as values), and the
     translation computes what torch does."""
-    from refine.importer.entangle import convert_dump
+    from refine.frontends.importer.entangle import convert_dump
 
     pg, vals, ref = IMPORTER_CASES[target]()
     imp = convert_dump(pg, REG, [0], sequential=True)
@@ -846,8 +846,8 @@ def test_importer_mechanism(tmp_path: Path, target: str) -> None:
 
 def test_importer_refuses_other_two_index_gathers() -> None:
     """Only x[arange(n), ids] is a row-wise gather: any other pair of index tensors fails closed."""
-    from refine.format import InputError
-    from refine.importer.entangle import convert_dump
+    from refine.frontends.graphfile import InputError
+    from refine.frontends.importer.entangle import convert_dump
 
     d = _Dump()
     x, ids = d.input("x", [4, 5]), d.input("ids", [4], "int64")

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from refine import prove
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ops.registry import load_registry
 
 

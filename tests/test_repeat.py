@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from refine import prove
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from refine import prove
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.layout import join_replicas
 from refine.ir.term import Term, leaf
 from refine.ops.interp import differential, random_inputs

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check_files, engine_for
-from refine.importer.entangle import import_case
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.importer.entangle import import_case
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
 from refine.report import Report

@@ -1,4 +1,4 @@
-"""refine/schema/graph-v1.json: a valid draft 2020-12 schema that accepts every bundled
+"""refine/frontends/schema/graph-v1.json: a valid draft 2020-12 schema that accepts every bundled
 case and rejects what the loader rejects (for what a schema can say)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.graph import DTYPES
 from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = json.loads((ROOT / "refine" / "schema" / "graph-v1.json").read_text())
+SCHEMA = json.loads((ROOT / "refine" / "frontends" / "schema" / "graph-v1.json").read_text())
 VALIDATOR = Draft202012Validator(SCHEMA)
 DOCS = sorted((ROOT / "models").glob("*/*.json"))
 SEQ = json.loads((ROOT / "models" / "tp_mlp" / "seq.json").read_text())

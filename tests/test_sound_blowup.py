@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 
 from refine import prove
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check, check_files
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import Registry, load_registry, rule
 from refine.soundness import Harness
 

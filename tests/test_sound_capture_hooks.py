@@ -24,7 +24,7 @@ from capture_helpers import failing
 from torch import nn
 
 from refine import capture
-from refine.capture import CaptureError
+from refine.frontends.capture import CaptureError
 
 B, H = 4, 4
 GRADS = {"fc1.weight.grad", "fc1.bias.grad", "fc2.weight.grad", "fc2.bias.grad"}

@@ -24,7 +24,7 @@ from capture_helpers import MODELS, load_model
 from torch import nn
 
 from refine import capture
-from refine.capture import CaptureError
+from refine.frontends.capture import CaptureError
 
 TP = load_model("tp_mlp")
 

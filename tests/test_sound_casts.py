@@ -22,7 +22,7 @@ from torch import nn
 
 from refine import capture
 from refine.cli import main
-from refine.format import load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.ops.interp import differential, eval_graph
 from refine.ops.registry import load_registry

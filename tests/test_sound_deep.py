@@ -18,7 +18,7 @@ import pytest
 
 from refine import prove
 from refine.check import check_files
-from refine.format import load_seq
+from refine.frontends.graphfile import load_seq
 from refine.ir import graph
 from refine.ops.registry import load_registry
 

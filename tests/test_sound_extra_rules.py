@@ -20,10 +20,10 @@ import pytest
 from click.testing import CliRunner, Result
 
 from refine import extra_rules, soundness
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check
 from refine.cli import main
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent

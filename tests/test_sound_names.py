@@ -23,7 +23,7 @@ from click.testing import CliRunner
 
 from refine.check import check
 from refine.cli import main
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.term import (
     LayoutSyntaxError,
     Term,

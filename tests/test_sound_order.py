@@ -28,7 +28,7 @@ from torch import nn
 
 from refine import capture
 from refine.check import check, check_files
-from refine.format import InputError, load_dist, load_seq
+from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.ops.interp import EvalError, eval_ranks, random_inputs
 from refine.ops.registry import load_registry

@@ -25,10 +25,10 @@ import torch
 from click.testing import CliRunner
 from torch.fx.passes.shape_prop import TensorMetadata
 
-import refine.importer.entangle  # noqa: F401 - imported here so the timings below measure the import only
+import refine.frontends.importer.entangle  # noqa: F401 - imported here so the timings below measure the import only
 from refine.cli import main
-from refine.format import InputError
-from refine.importer.gpickle import load_gpickle
+from refine.frontends.graphfile import InputError
+from refine.frontends.importer.gpickle import load_gpickle
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 QUICK = 2.0  # seconds: every refusal here takes milliseconds; the bombs took minutes or all memory
@@ -422,7 +422,7 @@ def test_hostile_pickle_is_refused_quickly(tmp_path: Path, case: str) -> None:
 def test_each_bound_of_the_pre_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bound: str, payload: bytes,
                                     reason: str) -> None:
     """Each bound, lowered to 1000 so a small file exceeds it: refused before unpickling."""
-    from refine.importer import gpickle
+    from refine.frontends.importer import gpickle
 
     monkeypatch.setattr(gpickle, bound, 1000)
     p = tmp_path / "f.gpickle"
@@ -435,7 +435,7 @@ def test_each_bound_of_the_pre_scan(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_the_splice_keeps_a_good_graph_good(tmp_path: Path) -> None:
     """The splicing the bombs use, with a payload that is one string: the graph reads as
     before, so each bomb above is refused for its payload alone."""
-    from refine.importer.gpickle import NodeRef
+    from refine.frontends.importer.gpickle import NodeRef
 
     p = tmp_path / "f.gpickle"
     p.write_bytes(_splice("MARKER", lambda k: _str("plain") + _put(k)))
@@ -455,7 +455,7 @@ def test_a_refused_file_leaves_the_stand_ins_unchanged(tmp_path: Path) -> None:
     # the unpickler alone (no pre-scan) cannot change them either
     import io
 
-    from refine.importer.gpickle import _Unpickler
+    from refine.frontends.importer.gpickle import _Unpickler
 
     with pytest.raises(pickle.UnpicklingError):
         _Unpickler(io.BytesIO(HOSTILE["BUILD on a dtype constant"][0]())).load()
@@ -560,7 +560,7 @@ def test_neuron_stack_source_names_the_culprit(tmp_path: Path) -> None:
 def test_stack_source_frames() -> None:
     """The innermost "path:line" outside torch and its backends; the outermost when every
     frame is theirs (as for FX stack traces); entries that are not "path:line" are skipped."""
-    from refine.importer.entangle import _stack_source
+    from refine.frontends.importer.entangle import _stack_source
 
     site = "/env/lib/python3.11/site-packages"
     assert _stack_source(["/a/run.py:1", "/a/model.py:2", f"{site}/torch_neuronx/pyhlo/scribe.py:553"]) == "model.py:2"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.check import check, engine_for, is_symbolic
-from refine.format import load_dist, load_seq
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
 from refine.ops.interp import audit, instantiate, valuation
 from refine.ops.lower import lower

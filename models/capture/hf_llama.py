@@ -12,7 +12,7 @@ from the data.
 Each rank is the same model parallelized by transformers itself
 (`transformers.distributed.tensor_parallel.apply_tensor_parallelism`) with the model's
 `tp_plan` (q/k/v/gate/up colwise, o/down rowwise, lm_head colwise with the logits gathered)
-on a 2-rank CPU DeviceMesh, inside refine's fake process group; refine.capture.hf turns the
+on a 2-rank CPU DeviceMesh, inside refine's fake process group; refine.frontends.capture.hf turns the
 DTensor parameters into annotated local shards (placements from the plan).
 
 `make_case(bug=...)`:
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from refine import capture
-from refine.capture.hf import float64_reference, tensor_parallel
+from refine.frontends.capture.hf import float64_reference, tensor_parallel
 
 BUGS = ("o_proj_partial",)
 B, T, VOCAB = 1, 6, 32
@@ -46,7 +46,7 @@ def config(layers: int = 1) -> Any:
 
 def causal_lm_step(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
                    position_ids: torch.Tensor) -> torch.Tensor:
-    with float64_reference():  # only changes the float64 reference run (see refine.capture.hf)
+    with float64_reference():  # only changes the float64 reference run (see refine.frontends.capture.hf)
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels,
                     use_cache=False)
     out.loss.backward()

@@ -15,7 +15,7 @@ back; the LayerNorm's and fc2's bias's gradients are then partial sums, which Me
 `sequence_parallel`). Without it the tokens are replicated and fc2 all-reduces.
 
 The input relations of the parameters are not annotated here: refine derives them from
-Megatron's own marks (refine.capture.megatron). Only the token split of the data (which
+Megatron's own marks (refine.frontends.capture.megatron). Only the token split of the data (which
 Megatron does not mark) is annotated.
 
 `make_case(bug=...)` builds the buggy twins:
@@ -43,7 +43,7 @@ from megatron.core.transformer import TransformerConfig
 from torch import nn
 
 from refine import capture
-from refine.capture import megatron
+from refine.frontends.capture import megatron
 
 S, B, H, FFN = 8, 2, 16, 32  # sequence, micro-batch, hidden size, MLP size
 BUGS = ("ln_grad_not_all_reduced", "bias_before_all_reduce")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from refine.build import GraphBuilder, dist_doc, seq_doc, write_case
+from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ops.registry import load_registry
 
 HERE = Path(__file__).resolve().parent

@@ -1,6 +1,6 @@
 """Program order: can the ranks run their collectives and sends/receives to the end?
 
-Matching (refine.relate, refine.format) pairs the k-th collective of a group on each member,
+Matching (refine.relate, refine.frontends.graphfile) pairs the k-th collective of a group on each member,
 and the j-th send from rank a to rank b with the j-th recv on b from a: pure data. This module
 checks the other half of a distributed program's meaning: that the order in which each rank
 issues those ops admits a run in which every rank finishes. A recv placed before the send
@@ -9,7 +9,7 @@ across ranks, deadlock; such a program computes nothing, so it does not refine.
 
 The model (conservative: whatever it says finishes, finishes under any weaker semantics):
 
-- A rank's program order is its graph's node order (refine.format documents it): a rank
+- A rank's program order is its graph's node order (refine.frontends.graphfile documents it): a rank
   runs its nodes one after another. Compute nodes never wait; their inputs come earlier in
   the order, so they are ready when the rank reaches them.
 - Every communication op is a rendezvous that blocks its rank until each member has reached

@@ -1,7 +1,7 @@
 """Trace one training step into an aten FX graph, with the user's source line on every node.
 
 The step runs under `make_fx` with fake tensors (so a branch on a tensor's value is an error,
-not a silently baked-in guess) and the decompositions of refine.capture.aten. Parameters
+not a silently baked-in guess) and the decompositions of refine.frontends.capture.aten. Parameters
 and buffers become graph inputs: the module is re-parametrized with the traced tensors, the
 parameters as fresh leaves that require grad, so `loss.backward()` inside the step (custom
 autograd Functions included) fills their `.grad`, which the traced function returns.
@@ -41,11 +41,11 @@ from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 
-from refine.capture.aten import DECOMPOSITIONS
-from refine.capture.errors import CaptureError
+from refine.frontends.capture.aten import DECOMPOSITIONS
+from refine.frontends.capture.errors import CaptureError
 
 _TORCH = str(Path(torch.__file__).resolve().parent)
-_REFINE = str(Path(__file__).resolve().parent.parent)
+_REFINE = str(Path(__file__).resolve().parents[2])  # refine/: its frames are not the user's
 _STDLIB = tuple({str(Path(sysconfig.get_paths()[k]).resolve()) for k in ("stdlib", "platstdlib")})
 _HERE = str(Path(__file__).resolve())
 _RUN = "_traced_step"  # the name of the function make_fx traces: user frames are below it
@@ -68,7 +68,7 @@ class Traced:
     inputs: list[tuple[str, str, torch.Tensor]]  # (name, role, value) of each placeholder, in order
     grads: list[str]  # parameters whose gradient follows the loss in the outputs, in order
     no_grad: list[str]  # parameters that require grad but got none
-    annotations: dict[str, Any]  # graph input name -> refine.capture.annotate.Annotation
+    annotations: dict[str, Any]  # graph input name -> refine.frontends.capture.annotate.Annotation
     grad_annotations: dict[str, Any] = field(default_factory=dict)  # parameter -> its gradient's (DTensor) placement
     has_loss: bool = True  # False: the step returned None (the outputs are the gradients only)
 
@@ -84,7 +84,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
                            "its own fake one per rank, so call it outside any distributed setup")
     hook = sys.excepthook  # init_process_group wraps it with a "[rank r]" prefix for good
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    from refine.capture.dtensor import fresh_caches
+    from refine.frontends.capture.dtensor import fresh_caches
 
     fresh_caches()  # DTensor caches plans per (equal-by-value) DeviceMesh: none may cross ranks
     try:
@@ -95,7 +95,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 # Installed libraries whose frames count as the user's code (a node's source line): model
-# libraries such as transformers (refine.capture.hf adds it), whose lines say more than the
+# libraries such as transformers (refine.frontends.capture.hf adds it), whose lines say more than the
 # caller's one line running the whole model.
 SOURCE_LIBRARIES: list[str] = []
 
@@ -197,11 +197,11 @@ def _marking_batches() -> Iterator[None]:
 
 def trace_step(step: Step, where: str) -> Traced:
     """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
-    from refine.capture.annotate import annotation_of
-    from refine.capture.dtensor import Locals
+    from refine.frontends.capture.annotate import annotation_of
+    from refine.frontends.capture.dtensor import Locals
 
     if not isinstance(step, Step):
-        raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
+        raise CaptureError(f"{where}: expected a refine.frontends.capture.Step, got {type(step).__name__}")
     model = step.model
     if not isinstance(model, nn.Module):
         raise CaptureError(f"{where}: Step.model must be a torch.nn.Module, got {type(model).__name__}")
@@ -217,7 +217,7 @@ def trace_step(step: Step, where: str) -> Traced:
     grads: list[str] = []
     no_grad: list[str] = []
     has_loss: list[bool] = []
-    local = Locals(params | buffers | inputs)  # DTensors are traced as local tensors (refine.capture.dtensor)
+    local = Locals(params | buffers | inputs)  # DTensors are traced as local tensors (refine.frontends.capture.dtensor)
 
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
         leaves = {n: local.rebuild(n, v).detach().requires_grad_(params[n].requires_grad)

@@ -2,7 +2,7 @@
 
 Everything refine needs to trace Megatron code lives here, so a case only writes Megatron:
 
-    from refine.capture import megatron
+    from refine.frontends.capture import megatron
 
     def rank(r):                          # Spec.rank: runs in rank r's fake process group
         return megatron.rank_step(lambda: build_model(config), train_step, inputs, tp=2)
@@ -34,9 +34,9 @@ from unittest import mock
 import torch
 from torch import nn
 
-from refine.capture.annotate import DERIVERS, Annotation
-from refine.capture.errors import CaptureError
-from refine.capture.trace import Step
+from refine.frontends.capture.annotate import DERIVERS, Annotation
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.trace import Step
 
 # The attributes Megatron sets on parameters (tensor_parallel.layers and the norms):
 # split or not, along which dim, with which stride; reduced over TP after backward (SP).
@@ -60,7 +60,7 @@ def derive(t: torch.Tensor, axis: str = "tp") -> Annotation | None:
         stride = getattr(t, "partition_stride", 1)
         if stride != 1:
             raise CaptureError(f"a Megatron parameter {list(t.shape)} has partition_stride={stride}: an interleaved "
-                               "layout refine does not derive; annotate it with refine.capture.layout")
+                               "layout refine does not derive; annotate it with refine.frontends.capture.layout")
         dim = getattr(t, "partition_dim", None)
         if not isinstance(dim, int) or dim < 0:
             raise CaptureError(f"a Megatron parameter {list(t.shape)} is tensor_model_parallel with partition_dim="
@@ -157,7 +157,7 @@ def parallel_state(tp: int) -> Iterator[None]:
 
     if ps.model_parallel_is_initialized():
         raise CaptureError("Megatron's parallel state is already initialized in this process: capture sets up its "
-                           "own per rank (refine.capture.megatron.parallel_state); destroy_model_parallel() first")
+                           "own per rank (refine.frontends.capture.megatron.parallel_state); destroy_model_parallel() first")
     with cpu_device():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
         try:
@@ -212,7 +212,7 @@ class _Chunk:
         from megatron.core import parallel_state as ps
 
         if ps.get_data_parallel_world_size() != 1:
-            raise CaptureError("refine.capture.megatron.finalize_model_grads wraps a model without Megatron's "
+            raise CaptureError("refine.frontends.capture.megatron.finalize_model_grads wraps a model without Megatron's "
                                "DistributedDataParallel: data-parallel size must be 1")
 
 

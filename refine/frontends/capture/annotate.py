@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from refine.capture.errors import CaptureError
+from refine.frontends.capture.errors import CaptureError
 
 ATTR = "_refine_capture"
 T = TypeVar("T", torch.Tensor, str)

@@ -10,8 +10,8 @@
 Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
 a gradient. Expectations: the loss is Replicate and equal to the sequential loss; each
 gradient is placed like its parameter. Input relations come from annotations
-(refine.capture.annotate), else from matching names and comparing shapes (guesses, reported);
-every relation is then checked against the values both sides hold (refine.capture.values):
+(refine.frontends.capture.annotate), else from matching names and comparing shapes (guesses, reported);
+every relation is then checked against the values both sides hold (refine.frontends.capture.values):
 a contradiction is an error, a tensor without values (meta) leaves its relation unchecked,
 listed in `Case.unchecked` and in every report of the case.
 """
@@ -30,14 +30,20 @@ from typing import Any
 
 import torch
 
-from refine.build import write_case
-from refine.capture.annotate import Annotation, check_groups, collecting, placements_on
-from refine.capture.convert import Converted, convert
-from refine.capture.dtensor import local_distribution
-from refine.capture.errors import CaptureError
-from refine.capture.trace import Step, Traced, copy_grad_hooks, fake_process_group, trace_step
-from refine.capture.values import check_values, has_values
-from refine.format import FORMAT, VERSION, InputError, load_dist, load_seq
+from refine.frontends.build import write_case
+from refine.frontends.capture.annotate import Annotation, check_groups, collecting, placements_on
+from refine.frontends.capture.convert import Converted, convert
+from refine.frontends.capture.dtensor import local_distribution
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.trace import (
+    Step,
+    Traced,
+    copy_grad_hooks,
+    fake_process_group,
+    trace_step,
+)
+from refine.frontends.capture.values import check_values, has_values
+from refine.frontends.graphfile import FORMAT, VERSION, InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph
 from refine.ops.registry import Registry, load_registry
 from refine.report import Report
@@ -135,7 +141,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     input relations and the output expectations, and validate the pair with refine's loader."""
     t0 = time.perf_counter()
     if not isinstance(spec, Spec):
-        raise CaptureError(f"capture takes a refine.capture.Spec, got {type(spec).__name__}")
+        raise CaptureError(f"capture takes a refine.frontends.capture.Spec, got {type(spec).__name__}")
     registry = registry or load_registry()
     mesh = spec.axes()
     seq_step = spec.sequential if isinstance(spec.sequential, Step) else spec.sequential()
@@ -155,7 +161,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
             except CaptureError:
                 raise
             except Exception as e:
-                from refine.capture.trace import exception_source
+                from refine.frontends.capture.trace import exception_source
 
                 raise CaptureError(f"{where}: the rank factory failed: {type(e).__name__}: {e}",
                                    exception_source(e)) from e
@@ -201,7 +207,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
 
 def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:
     """Each graph input's value as the step holds it (a DTensor's local tensor)."""
-    from refine.capture.dtensor import is_dtensor
+    from refine.frontends.capture.dtensor import is_dtensor
 
     out = {n: (v.to_local() if is_dtensor(v) else v).detach() for n, _, v in traced.inputs}  # type: ignore[attr-defined]
     return out | conv.constants
@@ -269,12 +275,12 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         shapes = {tuple(rank_inputs[r][local]["shape"]) for r in ranks}
         if len(shapes) != 1:
             raise CaptureError(f"{local!r} has shapes {sorted(map(list, shapes))} on different ranks: refine cannot "
-                               "guess its relation; annotate it (refine.capture.shard/replicate/layout)")
+                               "guess its relation; annotate it (refine.frontends.capture.shard/replicate/layout)")
         (shape,) = shapes
         pl, why = _guess(tuple(inp["shape"]), shape, mesh)
         if pl is None:
             raise CaptureError(f"cannot guess how {local!r} {list(shape)} on the ranks holds the sequential "
-                               f"{s!r} {list(inp['shape'])}: {why}; annotate it (refine.capture.shard/replicate/layout)")
+                               f"{s!r} {list(inp['shape'])}: {why}; annotate it (refine.frontends.capture.shard/replicate/layout)")
         desc = ", ".join(pl)
         guesses.append(f"{s}: [{desc}] ({why})")
         if any(p != "Replicate" for p in pl) or local != s:
@@ -419,7 +425,7 @@ def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: R
         if w is None or not close(got[o.ref], w, rtol=1e-6, atol=1e-9):
             err = max_err(got[o.ref], w) if w is not None else float("nan")
             raise CaptureError(f"the captured sequential graph computes output {o.name!r} differently from the step run "
-                               f"eagerly (max error {err:.3g}): a translation in refine/capture/aten.py is wrong")
+                               f"eagerly (max error {err:.3g}): a translation in refine/frontends/capture/aten.py is wrong")
 
 
 _AT_NODE = re.compile(r"^\$(?:\.ranks\[(\d+)\])?\.graph\.nodes\[(\d+)\]")

@@ -3,18 +3,18 @@
 Code parallelized with `parallelize_module` (ColwiseParallel, RowwiseParallel,
 SequenceParallel, ...) holds its parameters as DTensors. Capture handles them so:
 
-- **tracing** (`Locals`, used by refine.capture.trace): make_fx traces plain tensors, so the
+- **tracing** (`Locals`, used by refine.frontends.capture.trace): make_fx traces plain tensors, so the
   traced function takes each DTensor's *local* tensor and rebuilds the DTensor inside with
   `DTensor.from_local` (same mesh, placements, global shape and stride; no communication).
   Parameters are rebuilt as DTensor leaves, as the program holds them, so their `.grad` is
   whatever DTensor the program's autograd produces; the traced function returns its local
   tensor and `Locals.grad_annotations` records its placements. DTensor redistributions
   appear as `_c10d_functional` collectives + `wait_tensor`.
-- **relations** (`derive`, registered in refine.capture.annotate.DERIVERS): a DTensor's
+- **relations** (`derive`, registered in refine.frontends.capture.annotate.DERIVERS): a DTensor's
   placements, per DeviceMesh dim, become the Annotation: Shard(d) -> Shard(d), Replicate ->
   Replicate, Partial(sum|max) -> Partial(sum|max), on the refine mesh axis named like the
   mesh dim. These are the program's own declarations, not guesses. The annotation also
-  carries the global ranks along each mesh dim through this rank, which refine.capture.case
+  carries the global ranks along each mesh dim through this rank, which refine.frontends.capture.case
   compares with the Spec's mesh, so a DeviceMesh laid out differently from the Spec (another
   axis order, a non-row-major mesh) is an error, not a wrong relation.
 - **gradient expectations**: the gradient of a DTensor parameter is expected placed as the
@@ -48,8 +48,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from refine.capture.annotate import DERIVERS, Annotation
-from refine.capture.errors import CaptureError
+from refine.frontends.capture.annotate import DERIVERS, Annotation
+from refine.frontends.capture.errors import CaptureError
 
 
 def _dtensor_class() -> type | None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from refine.capture.errors import CaptureError
+from refine.frontends.capture.errors import CaptureError
 from refine.ir.graph import Dist, Graph, Mesh, Placement, Relation
 from refine.ops.interp import EvalError, canon, eval_term
 from refine.ops.registry import Registry

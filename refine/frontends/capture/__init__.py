@@ -10,8 +10,8 @@
 
 Rank code annotates its parameters and inputs once (`capture.shard(w, 0)`,
 `capture.replicate(...)`, `capture.partial(...)`, `capture.layout(...)`); anything not
-annotated is matched by name and its placement guessed from shapes. See refine.capture.case
-for the outputs and expectations, refine.capture.aten for the op mapping.
+annotated is matched by name and its placement guessed from shapes. See refine.frontends.capture.case
+for the outputs and expectations, refine.frontends.capture.aten for the op mapping.
 
 The module itself is callable: `capture(spec)` is `capture.capture(spec)`.
 """
@@ -25,10 +25,10 @@ import types
 from pathlib import Path
 from typing import Any
 
-from refine.capture.annotate import Annotation, layout, partial, replicate, shard
-from refine.capture.case import Case, Spec, capture
-from refine.capture.errors import CaptureError
-from refine.capture.trace import Step, exception_source, fake_process_group
+from refine.frontends.capture.annotate import Annotation, layout, partial, replicate, shard
+from refine.frontends.capture.case import Case, Spec, capture
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.trace import Step, exception_source, fake_process_group
 
 __all__ = ["Annotation", "CaptureError", "Case", "Spec", "Step", "capture", "fake_process_group", "layout",
            "load_target", "partial", "replicate", "shard"]
@@ -70,7 +70,7 @@ def load_target(target: str, world_size: int | None = None) -> Spec | Case:
     except Exception as e:
         raise CaptureError(f"{target}: {type(e).__name__}: {e}", exception_source(e)) from e
     if not isinstance(result, (Spec, Case)):
-        raise CaptureError(f"{target} returned a {type(result).__name__}; it must return a refine.capture.Spec")
+        raise CaptureError(f"{target} returned a {type(result).__name__}; it must return a refine.frontends.capture.Spec")
     got = result.world_size if isinstance(result, Spec) else result.stats.get("ranks")
     if world_size is not None and got != world_size:
         raise CaptureError(f"{target} makes a case of {got} ranks, not {world_size} (and takes no world_size)")

@@ -12,10 +12,10 @@ argument at its schema default; anything else refine cannot express is an error,
 silently dropped. The exceptions are the tables below: `ALIASES` (another refine name),
 `IDENTITY` (ops returning their input's value), `SPECIAL` (ops that need a few refine
 nodes), `MULTI` (one refine node per used output) and the collectives. An op whose inputs
-are all constant fills and whose result is one is folded to a `full` (refine.capture.convert)
+are all constant fills and whose result is one is folded to a `full` (refine.frontends.capture.convert)
 before any of this. An in-place op (`div_`) maps like its
 out-of-place twin: tracing hands the mutated tensor's later readers the op's result, and
-refine.capture.convert refuses graphs where a stale alias of it is read afterwards.
+refine.frontends.capture.convert refuses graphs where a stale alias of it is read afterwards.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._decomp import core_aten_decompositions
 
-from refine.capture.foreach import FOREACH_DECOMPOSITIONS
+from refine.frontends.capture.foreach import FOREACH_DECOMPOSITIONS
 
 if TYPE_CHECKING:
-    from refine.capture.convert import Emitter
+    from refine.frontends.capture.convert import Emitter
 
 DECOMPOSITIONS = core_aten_decompositions()
-DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)  # foreach ops: one op per tensor (refine.capture.foreach)
+DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)  # foreach ops: one op per tensor (refine.frontends.capture.foreach)
 
 # aten base name -> refine op (same semantics, other name)
 ALIASES: dict[str, str] = {

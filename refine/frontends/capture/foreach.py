@@ -7,7 +7,7 @@ tracing could rewire, so the step's outputs would still name the tensors before 
 These decompositions run inside `make_fx`, so each per-tensor op they call (`mul_`,
 `linalg_vector_norm`) is traced like user code: an in-place `t.mul_(c)` gives `t`'s later
 readers its result. A foreach op not listed here stays in the graph and is refused: the
-converter knows no refine op for it, and `refine.capture.convert.check_mutations` refuses
+converter knows no refine op for it, and `refine.frontends.capture.convert.check_mutations` refuses
 any read of a tensor a list op wrote.
 """
 

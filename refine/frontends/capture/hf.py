@@ -30,9 +30,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from refine.capture.annotate import partial, replicate, shard
-from refine.capture.errors import CaptureError
-from refine.capture.trace import SOURCE_LIBRARIES
+from refine.frontends.capture.annotate import partial, replicate, shard
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.trace import SOURCE_LIBRARIES
 
 
 def _register_source() -> None:
@@ -53,7 +53,7 @@ def _placement_annotation(param: torch.Tensor, placements: tuple[Any, ...], axis
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     if len(placements) != 1:
-        raise CaptureError(f"a DTensor parameter on a {len(placements)}-d mesh: refine.capture.hf handles a 1-d "
+        raise CaptureError(f"a DTensor parameter on a {len(placements)}-d mesh: refine.frontends.capture.hf handles a 1-d "
                            "tensor-parallel mesh")
     (p,) = placements
     if isinstance(p, Shard):
@@ -70,7 +70,7 @@ class _LocalParams:
     """A planned module's parameters as local shards, rebuilt as DTensors for its forward.
 
     Why: make_fx traces a function of plain tensors; refine's tracer passes the parameters
-    in as fresh leaves (refine.capture.trace). Rebuilding the DTensor from the leaf inside
+    in as fresh leaves (refine.frontends.capture.trace). Rebuilding the DTensor from the leaf inside
     the forward makes DTensor's own dispatch (sharding propagation, redistributions) part of
     the trace, and `from_local`'s backward hands the leaf its local gradient, placed like the
     parameter."""
@@ -191,7 +191,7 @@ def float64_reference() -> Iterator[None]:
     Why: transformers upcasts to float32 on purpose in places (RMSNorm's variance, eager
     attention's softmax, the rotary angles, the loss's logits), whatever the model's dtype.
     refine replays the captured sequential graph against the step run eagerly in float64
-    (refine.capture.case) and treats float casts as identities (real-valued semantics), so
+    (refine.frontends.capture.case) and treats float casts as identities (real-valued semantics), so
     those float32 roundings (~1e-7 relative) fail that strict replay although the
     translation is exact. A step wrapped in this context runs the float64 replay with the
     same real-valued formulas in float64 throughout."""

@@ -1,4 +1,4 @@
-"""An aten FX graph (refine.capture.trace) as a refine graph document (graph format v1).
+"""An aten FX graph (refine.frontends.capture.trace) as a refine graph document (graph format v1).
 
 Nodes are translated on demand, from the outputs and from every collective (a collective
 runs even when its result is unused, and the k-th collective of a group must stay the k-th:
@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from refine.capture import aten
-from refine.capture.errors import CaptureError
-from refine.capture.trace import BATCH, Traced, source_of
+from refine.frontends.capture import aten
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.trace import BATCH, Traced, source_of
 from refine.ir.graph import Arg, TensorType
 from refine.ops.lower import held, normalize_attrs
 from refine.ops.registry import Registry, ShapeError
@@ -100,7 +100,7 @@ class Emitter:
         finally:
             self.node = saved
 
-    # -- helpers for the handlers in refine.capture.aten
+    # -- helpers for the handlers in refine.frontends.capture.aten
 
     def dtype(self, dt: Any) -> str:
         name = aten.DTYPES.get(dt)
@@ -175,7 +175,7 @@ class Emitter:
             traced = tuple(int(s) for s in val.shape)
             if tuple(typ.shape) != traced:
                 raise self.fail(f"refine op {op!r} gives shape {list(typ.shape)} but torch traced {list(traced)}: "
-                                "the mapping in refine/capture/aten.py is wrong for this use")
+                                "the mapping in refine/frontends/capture/aten.py is wrong for this use")
             out_dtype = self.dtype(val.dtype)
         if "value" in attrs:  # a fill, as the output's dtype holds it (an int truncates it; torch does)
             try:
@@ -225,7 +225,7 @@ class Emitter:
             return self._identity(n, qual, a)
         ns, _, name = qual.partition("::")
         if ns != "aten":
-            raise self.fail("unknown op: refine has no mapping for this namespace; add one in refine/capture/aten.py")
+            raise self.fail("unknown op: refine has no mapping for this namespace; add one in refine/frontends/capture/aten.py")
         if name.endswith("_") and _is_inplace(n.target):
             name = name[:-1]  # the op's result is the mutated tensor's new value
         if len(path) > 1:
@@ -242,7 +242,7 @@ class Emitter:
         if path or isinstance(n.meta.get("val"), (tuple, list)):
             handler = aten.MULTI.get(name)
             if handler is None:
-                raise self.fail("an op with several outputs that refine/capture/aten.py does not map")
+                raise self.fail("an op with several outputs that refine/frontends/capture/aten.py does not map")
             return handler(self, n, a, path[0] if path else 0)
         handler = aten.SPECIAL_OVERLOAD.get((name, overload)) or aten.SPECIAL.get(name)
         if handler is not None:
@@ -299,7 +299,7 @@ class Emitter:
         spec = self.registry.ops.get(op)
         if spec is None:
             raise self.fail(f"unknown op: refine has no op {op!r} (add it to a rule family, or map the aten op "
-                            "in refine/capture/aten.py)")
+                            "in refine/frontends/capture/aten.py)")
         declared = spec.attr_kinds()
         renames = aten.ATTR_ALIASES.get(op, {})
         args: list[Arg] = []
@@ -466,7 +466,7 @@ def check_mutations(traced: Traced, where: str) -> None:
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), fx.Node):
                 mutations.append((n, a[arg.name], inplace and arg is schema.arguments[0]))
             elif arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), (list, tuple)):
-                # a list op writing in place (a foreach op refine.capture.foreach does not
+                # a list op writing in place (a foreach op refine.frontends.capture.foreach does not
                 # expand) returns no tensor to rewire readers to: any later read is stale
                 mutations += [(n, w, False) for w in a[arg.name] if isinstance(w, fx.Node)]
         ret = schema.returns[0].alias_info if schema.returns else None

@@ -1,10 +1,10 @@
-"""GraphGuard/Entangle graph dumps (`.gpickle`, read by refine.importer.gpickle) as a refine
+"""GraphGuard/Entangle graph dumps (`.gpickle`, read by refine.frontends.importer.gpickle) as a refine
 case: seq.json and dist.json of graph format v1.
 
 Each dump is rebuilt as a torch.fx graph whose ATen targets are the real `torch.ops`
 overloads (looked up by name: nothing from the file is ever called) and whose nodes carry
-their dumped shapes and dtypes, so refine.capture's converter (`Emitter`) and its one op
-table (refine/capture/aten.py) translate the ATen ops. This module adds only what the dumps
+their dumped shapes and dtypes, so refine.frontends.capture's converter (`Emitter`) and its one op
+table (refine/frontends/capture/aten.py) translate the ATen ops. This module adds only what the dumps
 need beyond a make_fx trace:
 
 - framework ops (apex fused layer norm, XLA `hlo.*`, vLLM custom ops under
@@ -40,11 +40,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from refine.capture import aten
-from refine.capture.convert import Emitter
-from refine.capture.errors import CaptureError
-from refine.format import InputError
-from refine.importer.gpickle import NodeRef, PGraph, PNode, SymbolRef, load_gpickle
+from refine.frontends.capture import aten
+from refine.frontends.capture.convert import Emitter
+from refine.frontends.capture.errors import CaptureError
+from refine.frontends.graphfile import InputError
+from refine.frontends.importer.gpickle import NodeRef, PGraph, PNode, SymbolRef, load_gpickle
 from refine.ir.graph import TensorType
 from refine.ops.registry import Registry, load_registry
 
@@ -533,7 +533,7 @@ class EntangleEmitter(Emitter):
             return self.emit("all_reduce", [x], {"reduce_op": "sum", "group": list(self.group)})
         if target == "tg.log_tensor.default":
             return self.emit("tg_log_tensor", [self.value(args[0])], {})
-        raise self.fail("unknown op: refine has no mapping for this target (see refine/importer/entangle.py)")
+        raise self.fail("unknown op: refine has no mapping for this target (see refine/frontends/importer/entangle.py)")
 
     def _functionalized(self, n: fx.Node, path: tuple[int, ...]) -> Any:
         """auto_functionalized(op, **kwargs)[k]: the k-th mutated argument after the call."""

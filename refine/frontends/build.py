@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from refine.format import FORMAT, VERSION
+from refine.frontends.graphfile import FORMAT, VERSION
 from refine.ir import sizes
 from refine.ir.graph import TensorType
 from refine.ops.lower import normalize_attrs
