@@ -18,7 +18,7 @@ from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
 from refine.prove import Engine, frontier, infer, structural_ancestry
-from refine.relate import DistProgram, build_program, placed_terms, seq_input_relations
+from refine.relate.program import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report, Stuck
 
 _ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}

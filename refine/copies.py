@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
     from refine.ops.registry import Registry
     from refine.prove import Engine
-    from refine.relate import DistProgram
+    from refine.relate.program import DistProgram
 
 REGION_DEPTH = 16  # uses after a copied weight that the search follows
 OUTSIDE = 3  # definitions back, outside the region, that a proof takes (the rotary's cos/sin broadcasts)

@@ -98,7 +98,7 @@ def rank_context(report: Report, seq_path: str | Path, dist_path: str | Path,
     """Reload the case and read the culprit's neighbourhood off the distributed program."""
     from refine.frontends.graphfile import load_dist, load_seq
     from refine.ops.registry import load_registry
-    from refine.relate import build_program
+    from refine.relate.program import build_program
 
     c = _culprit(report)
     registry = load_registry(rules)

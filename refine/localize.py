@@ -10,7 +10,7 @@ from refine.ir.term import Term
 from refine.ops.lower import lower
 from refine.ops.registry import Registry
 from refine.prove import Inference
-from refine.relate import DistProgram
+from refine.relate.program import DistProgram
 from refine.report import Culprit, OutputResult
 
 UNCLEAN = "no clean relation: no expression over rank tensors built from concat/slice/sum/scale/views equals it"

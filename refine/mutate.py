@@ -65,7 +65,7 @@ from refine.ops.interp import (
 from refine.ops.lower import normalize_attrs
 from refine.ops.registry import Registry, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
-from refine.relate import placed_terms
+from refine.relate.program import placed_terms
 
 Doc = dict[str, Any]
 REDUCING = ("all_reduce", "reduce_scatter")

@@ -45,7 +45,7 @@ from refine.ops.registry import (
     dims_prelude,
     end_of_atom,
 )
-from refine.relate import DistProgram, term_type
+from refine.relate.program import DistProgram, term_type
 from refine.reuse import Premises, Replayer
 
 CLEAN_OPS = {"D", "Out"}
@@ -866,7 +866,9 @@ def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry
     Candidates are the same program position on the two ranks of a fact, a slice within
     `FACT_DEPTH` uses; each is proven by an e-graph over both definitions back to the facts'
     leaves, and joins `prog.same`. Returns how many joined."""
-    from refine.relate import join_congruent  # relate imports nothing from here; keep it one-way
+    from refine.relate.program import (
+        join_congruent,  # relate imports nothing from here; keep it one-way
+    )
 
     pairs: set[tuple[str, str]] = set()
     for a, b in prog.facts:

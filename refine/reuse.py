@@ -47,7 +47,7 @@ from refine.ir.term import OPAQUE, Term
 
 if TYPE_CHECKING:
     from refine.prove import StepResult
-    from refine.relate import DistProgram
+    from refine.relate.program import DistProgram
 
 CANDIDATES = 4  # earlier steps tried per key, most recent first
 Name = tuple[str, str]  # ("D", rank tensor) or (OPAQUE, sequential tensor)

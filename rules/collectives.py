@@ -1,7 +1,7 @@
 """Collectives, lowered to the relation language over the group's rank tensors.
 
 A collective node names its process group as an explicit list of ranks. Matching the k-th
-collective of a group on every member (see refine.relate) gives each member's inputs;
+collective of a group on every member (see refine.relate.program) gives each member's inputs;
 `lower` then says what the member's output equals.
 """
 

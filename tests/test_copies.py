@@ -20,7 +20,7 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.interp import differential
 from refine.ops.registry import load_registry
-from refine.relate import build_program, seq_input_relations
+from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()
 HD, T, H = 4, 8, 4  # head dim, tokens, model width

@@ -1,5 +1,5 @@
 """The torch interpreter: collectives simulated across ranks agree with their lowering in
-refine.relate, random inputs satisfy the input relations, every inferred relation holds
+refine.relate.program, random inputs satisfy the input relations, every inferred relation holds
 numerically on every example, and the differential test agrees with the verdict."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from refine.ops.interp import (
     random_inputs,
 )
 from refine.ops.registry import load_registry
-from refine.relate import build_program, placed_terms
+from refine.relate.program import build_program, placed_terms
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 CASES = sorted(p.name for p in MODELS.iterdir() if (p / "seq.json").is_file() and (p / "dist.json").is_file())
@@ -179,7 +179,7 @@ def test_audit_flags_a_wrong_relation() -> None:
     from refine.ops.interp import audit_relations
     from refine.ops.lower import lower
     from refine.prove import infer
-    from refine.relate import seq_input_relations
+    from refine.relate.program import seq_input_relations
 
     seq, dist = load_case("tp_mlp")
     core, _ = lower(seq, REG)

@@ -14,7 +14,7 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
-from refine.relate import DistProgram
+from refine.relate.program import DistProgram
 
 REG = load_registry()
 B, S, H, HD, N = 2, 3, 8, 4, 4  # x [B, S, H, HD], each of the H heads repeated N times along dim 2

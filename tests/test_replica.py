@@ -18,7 +18,7 @@ from refine.ir.layout import join_replicas
 from refine.ir.term import Term, leaf
 from refine.ops.interp import differential, random_inputs
 from refine.ops.registry import load_registry
-from refine.relate import build_program, seq_input_relations
+from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()
 

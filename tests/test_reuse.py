@@ -253,7 +253,7 @@ def test_a_replayed_fact_must_be_a_fact_here() -> None:
     from collections import Counter
 
     from refine.ir.graph import TensorType
-    from refine.relate import DistProgram
+    from refine.relate.program import DistProgram
     from refine.reuse import Premises
 
     def head(w: str, j: int) -> Term:
@@ -287,7 +287,7 @@ def test_a_tensor_only_a_fact_names_is_renamed_after_the_facts() -> None:
     from collections import Counter
 
     from refine.ir.graph import TensorType
-    from refine.relate import DistProgram
+    from refine.relate.program import DistProgram
     from refine.reuse import Premises
 
     prog = DistProgram()

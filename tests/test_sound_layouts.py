@@ -1,4 +1,4 @@
-"""A rank element stands for one sequential element only (issue 20, refine.overlap).
+"""A rank element stands for one sequential element only (issue 20, refine.relate.overlap).
 
 A layout that reads one rank tensor twice (`cat(w@0, w@0)`) holds only for sequential
 inputs whose halves are equal, and two relations that read one rank tensor take two

@@ -289,7 +289,7 @@ def test_a_rank_tensor_named_like_the_synthetic_copies_keeps_its_definition(tmp_
 
     from refine.check import engine_for
     from refine.copies import join_copies
-    from refine.relate import build_program, seq_input_relations
+    from refine.relate.program import build_program, seq_input_relations
 
     s, d = _case(tmp_path)
     doc = json.loads(d.read_text())

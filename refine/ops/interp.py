@@ -2,7 +2,7 @@
 
 Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on CPU, with
 each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
-`refine.relate` matches them: the k-th collective of a group on each member, and sends and
+`refine.relate.program` matches them: the k-th collective of a group on each member, and sends and
 receives between a pair of ranks in program order; they run in an order the ranks' program
 order allows (`refine.ops.schedule`), and a program that deadlocks is an `EvalError`.
 
@@ -527,7 +527,7 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
     relations: list[Relation] = [r for r in dist.relations]
     covered = {r.source for r in relations}
     for inp in seq.inputs:
-        if inp.name not in covered:  # read as replicated, as refine.relate does
+        if inp.name not in covered:  # read as replicated, as refine.relate.program does
             relations.append(Relation(inp.name, inp.name, tuple(Placement("replicate") for _ in dist.mesh.axes)))
     seq_types = {i.name: i.type for i in seq.inputs}
     # layouts first: their rank inputs are drawn freely and fix the sequential input
@@ -664,7 +664,7 @@ def _define_groups(dist: Dist) -> list[tuple[list[Define], list[Relation]]]:
 
 def _define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int, ...]
                      ) -> tuple[Define, str] | None:
-    from refine.relate import placed_terms  # relate is imported lazily here, as in audit
+    from refine.relate.program import placed_terms  # relate is imported lazily here, as in audit
 
     by_leaf = {tensor_name(d.rank, d.input): d for d in dist.defines}
     # inputs no relation covers and no rank holds under their name (a KV cache the checked
@@ -732,7 +732,7 @@ class OutputCheck:
 def expected_terms(dist: Dist, output: str, rank_outputs: set[str]) -> list[Term]:
     """What the rank outputs must make for a sequential output: its explicit expectation,
     or a rank output of the same name replicated."""
-    from refine.relate import placed_terms
+    from refine.relate.program import placed_terms
 
     for e in dist.expectations:
         if e.output == output and e.layout is not None:
@@ -798,7 +798,7 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     random valuation of the symbols, the relations inferred once for all of them)."""
     from refine.check import case_features, engine_for, is_symbolic
     from refine.prove import infer
-    from refine.relate import build_program, seq_input_relations
+    from refine.relate.program import build_program, seq_input_relations
 
     registry = registry or load_registry()
     seq_core, _ = lower(seq, registry)

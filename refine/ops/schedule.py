@@ -1,6 +1,6 @@
 """Program order: can the ranks run their collectives and sends/receives to the end?
 
-Matching (refine.relate, refine.frontends.graphfile) pairs the k-th collective of a group on each member,
+Matching (refine.relate.program, refine.frontends.graphfile) pairs the k-th collective of a group on each member,
 and the j-th send from rank a to rank b with the j-th recv on b from a: pure data. This module
 checks the other half of a distributed program's meaning: that the order in which each rank
 issues those ops admits a run in which every rank finishes. A recv placed before the send
@@ -89,7 +89,7 @@ class Schedule:
 
 
 def comm_ops(graphs: Mapping[int, Graph], registry: Registry) -> dict[int, list[Comm]]:
-    """Each rank's communication ops in program order, keyed the way refine.relate matches them."""
+    """Each rank's communication ops in program order, keyed the way refine.relate.program matches them."""
     out: dict[int, list[Comm]] = {}
     for r, g in sorted(graphs.items()):
         seen: dict[Any, int] = {}

@@ -44,7 +44,7 @@ def check_values(seq: Graph, dist: Dist, registry: Registry, seq_vals: dict[str,
     that could not be checked (a tensor without values), one line each."""
     covered = {r.source for r in dist.relations}
     replicate = tuple(Placement("replicate") for _ in dist.mesh.axes)
-    # an input no relation names is read as replicated under its own name (refine.relate)
+    # an input no relation names is read as replicated under its own name (refine.relate.program)
     relations = list(dist.relations) + [Relation(i.name, i.name, replicate, guessed=True)
                                         for i in seq.inputs if i.name not in covered]
     unchecked: list[str] = []

@@ -30,7 +30,7 @@ from refine.ir.layout import join_replicas
 from refine.ir.term import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
 from refine.ops.lower import lower
 from refine.ops.registry import Registry, ShapeError
-from refine.overlap import Read, conflict, reads, show_box
+from refine.relate.overlap import Read, conflict, reads, show_box
 
 
 class UnionFind:
@@ -250,7 +250,7 @@ def seq_input_relations(dist: Dist, seq: Graph, prog: DistProgram, registry: Reg
 
 def _disjoint_claims(claims: list[tuple[Relation, list[Term]]], prog: DistProgram, registry: Registry,
                      file: str) -> None:
-    """No rank element stands for two sequential elements (refine.overlap): relations that
+    """No rank element stands for two sequential elements (refine.relate.overlap): relations that
     read one twice would hold only for sequential inputs equal there."""
     shapes: dict[Term, tuple[Any, ...]] = {}
 
