@@ -8,8 +8,6 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from refine.copies import join_copies
-from refine.extra_rules import require_verified
 from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
@@ -17,7 +15,9 @@ from refine.localize import localize
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
-from refine.prove import Engine, frontier, infer, structural_ancestry
+from refine.prove.copies import join_copies
+from refine.prove.engine import Engine, frontier, infer, structural_ancestry
+from refine.prove.extra_rules import require_verified
 from refine.relate.program import DistProgram, build_program, placed_terms, seq_input_relations
 from refine.report import OutputResult, Report, Stuck
 
@@ -47,7 +47,7 @@ def is_symbolic(seq: Graph, dist: Dist) -> bool:
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = (),
                 trust_rules: bool = False) -> Report:
     """Check the pair of files. The extra rule directories `rules` are verified first
-    (refine.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
+    (refine.prove.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
     untested one too unless `trust_rules`, and the report then lists it as unverified."""
     t0 = time.perf_counter()
     rules = list(rules)

@@ -184,7 +184,7 @@ def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, m
     """Check every rule alone on random seed terms: each merge it makes must hold in torch
     (float64), and each rule must fire. Exit 1 if any rule is unsound or never fires."""
     from refine.ops.registry import load_registry
-    from refine.soundness import Harness
+    from refine.prove.harness import Harness
 
     try:
         registry = load_registry(rules)

@@ -140,7 +140,7 @@ def print_report(r: Report, console: Console | None = None) -> None:
         console.print(Panel("\n".join(lines[:1] + [escape(x) for x in lines[1:]])))
     if r.stats.get("bounded") and not r.refines:
         console.print(f"[yellow]search cut short[/]: {r.stats['bounded']} e-graph step(s) stopped at the e-graph "
-                      "budget (refine.prove.NODE_BUDGET, MATCH_BUDGET) with the best term found so far; a proof "
+                      "budget (refine.prove.engine.NODE_BUDGET, MATCH_BUDGET) with the best term found so far; a proof "
                       "may exist that the search did not reach")
     s = r.stats
     if s:

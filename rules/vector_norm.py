@@ -11,7 +11,7 @@ family keeps an analysis: `(NonNeg e)`, no element of e is negative (a NaN is no
 negative: sqrt of a negative number is NaN, never below 0). It is derived bottom-up from
 squares, sums of squares, absolute values, exps, square roots, sums, scales and views of
 non-negative tensors. The soundness harness evaluates every NonNeg fact of its e-graphs
-(refine.soundness.FACTS).
+(refine.prove.harness.FACTS).
 """
 
 from __future__ import annotations

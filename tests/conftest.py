@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _refine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Verifications of extra rule directories (refine.extra_rules) go to a cache of the test
+    """Verifications of extra rule directories (refine.prove.extra_rules) go to a cache of the test
     session's own, never the user's; subprocesses inherit it."""
     old = os.environ.get("REFINE_CACHE_DIR")
     os.environ["REFINE_CACHE_DIR"] = str(tmp_path_factory.mktemp("refine-cache"))

@@ -32,8 +32,8 @@ from refine.ops.interp import (
 )
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
-from refine.prove import Engine
-from refine.soundness import Harness
+from refine.prove.engine import Engine
+from refine.prove.harness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CE_PATH = MODELS / "vocab_ce.py"

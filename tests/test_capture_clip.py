@@ -30,7 +30,7 @@ from refine.frontends.graphfile import load_seq
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import lower
 from refine.ops.registry import Rule, ShapeError, load_registry, rewrite, rule
-from refine.soundness import Harness
+from refine.prove.harness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CLIP = load_model("clip_norm")

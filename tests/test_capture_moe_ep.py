@@ -22,7 +22,7 @@ from torch import nn
 from refine import capture, check
 from refine.frontends.capture import CaptureError
 from refine.ops.registry import Rule, load_registry, rewrite
-from refine.soundness import Harness
+from refine.prove.harness import Harness
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 PATH = MODELS / "moe_ep.py"

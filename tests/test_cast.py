@@ -14,7 +14,7 @@ from refine.frontends.capture import CaptureError
 from refine.ir.graph import TensorType
 from refine.ops.interp import differential
 from refine.ops.registry import ShapeError, load_registry
-from refine.soundness import Harness
+from refine.prove.harness import Harness
 
 REG = load_registry()
 

@@ -1,4 +1,4 @@
-"""refine.copies: KV heads a define copies once per local query head (aws_llama TP6, in
+"""refine.prove.copies: KV heads a define copies once per local query head (aws_llama TP6, in
 small) are found, proven and joined, so the scores relate; a wrong copy does not.
 
 6 query heads over 2 KV heads (groups of 3) on 3 ranks of 2 query heads: rank 0 holds
@@ -106,7 +106,7 @@ def test_copied_kv_heads_refine(tmp_path: Path, rotary: bool) -> None:
 
 def test_the_copies_are_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the joined copies the scores do not relate (rank 2's key is named by no
-    relation): the case tests refine.copies, not something else."""
+    relation): the case tests refine.prove.copies, not something else."""
     seq_path, dist_path = _case(tmp_path)
     check_module = importlib.import_module("refine.check")  # the package exports a function of that name
 
@@ -118,7 +118,7 @@ def test_the_joined_forms(tmp_path: Path) -> None:
     """Each rank's key (the rotary's concat) is the concat of broadcasts of the first
     holders' unit heads: rank 2's both heads are rank 1's head 1."""
     from refine.check import engine_for
-    from refine.copies import join_copies
+    from refine.prove.copies import join_copies
 
     seq, dist = _load(*_case(tmp_path))
     prog, _ = build_program(dist, REG, "dist")
@@ -147,8 +147,8 @@ def test_a_wrong_copy_does_not_refine(tmp_path: Path, holds: dict[int, tuple[int
 def test_a_second_layer_is_replayed_with_its_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two layers: the second's steps told the defines' facts (a rank's key weight is copies
     of its own heads) are replayed from the first's, each renamed fact checked to be a fact
-    of the second layer (refine.reuse); a wrong copy in the second layer alone is found there."""
-    from refine.reuse import Replayer
+    of the second layer (refine.prove.reuse); a wrong copy in the second layer alone is found there."""
+    from refine.prove.reuse import Replayer
 
     told: list[bool] = []  # per accepted replay: whether its premises held facts
     valid = Replayer._valid

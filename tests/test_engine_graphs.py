@@ -1,5 +1,5 @@
 """The engine runs each step on an e-graph declaring only the rules that can fire in it
-(refine.prove._Declarations.closure): the step's result must be what an e-graph declaring
+(refine.prove.engine._Declarations.closure): the step's result must be what an e-graph declaring
 everything gives. Programs are parsed a statement at a time (egglog's bindings copy the
 whole source into every span), and a check that refines does not import torch."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from refine import prove
 from refine.check import check_files, engine_for
 from refine.ops.registry import end_of_atom, load_registry
+from refine.prove import engine as prove
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

@@ -178,7 +178,7 @@ def test_audit_flags_a_wrong_relation() -> None:
     from refine.check import engine_for
     from refine.ops.interp import audit_relations
     from refine.ops.lower import lower
-    from refine.prove import infer
+    from refine.prove.engine import infer
     from refine.relate.program import seq_input_relations
 
     seq, dist = load_case("tp_mlp")

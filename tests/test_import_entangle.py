@@ -418,7 +418,7 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
 @SLOW
 def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
     """TP6 one layer (README, aws_llama TP6): each rank's key and value heads are copies of
-    the KV heads its query heads read (the defines), found and proven by refine.copies;
+    the KV heads its query heads read (the defines), found and proven by refine.prove.copies;
     the sequential repeat of the KV heads becomes a concat of broadcast heads
     (rules/repeat.py), which the ranks' 6-head blocks cut; rank 5's two real heads relate
     as slices of its own scores, mask and softmax (rules/fused.py). Slow: ~1 min CPU."""
@@ -432,7 +432,7 @@ def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
 @SLOW
 def test_aws_llama_tp6_second_layer_is_replayed(tmp_path: Path) -> None:
     """TP6 two layers: every step of the second layer is replayed from the first's, those
-    told the defines' facts too (refine.reuse), and the copies' proofs hit the engine's
+    told the defines' facts too (refine.prove.reuse), and the copies' proofs hit the engine's
     cache; a wrong KV copy in the second layer alone is found at that layer's scores.
     Measured: 212 nodes related, 85 replayed, 132 e-graph steps of the walk (130 for one
     layer). Slow: ~2.5 min CPU."""

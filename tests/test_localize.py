@@ -15,9 +15,9 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.interp import apply_op
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
-from refine.prove import infer
+from refine.prove.engine import infer
+from refine.prove.harness import SeedGen
 from refine.relate.program import build_program, seq_input_relations
-from refine.soundness import SeedGen
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 

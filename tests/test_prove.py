@@ -1,5 +1,5 @@
 """The engine proves a repeated layer once: steps whose e-graph programs differ only in
-tensor names reuse the first result, renamed (and refine/reuse.py replays a step whose
+tensor names reuse the first result, renamed (and refine/prove/reuse.py replays a step whose
 premises, renamed, hold: tests/test_reuse.py)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from refine import prove
 from refine.check import check_files, engine_for
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ops.registry import load_registry
+from refine.prove import engine as prove
 
 
 def _stacked_tp_mlp(tmp_path: Path, layers: int, world: int = 2, bug_layer: int | None = None) -> tuple[Path, Path]:
@@ -52,7 +52,7 @@ def test_repeated_layers_are_proven_once(tmp_path: Path) -> None:
     assert report.refines, str(report)
     # layers 2..4 repeat layer 1's steps (the first layer's input is a sequential input,
     # later ones a rank all_reduce, so layer 2 is new too; from layer 3 on all is reused:
-    # from the step cache, or replayed without an e-graph, refine/reuse.py)
+    # from the step cache, or replayed without an e-graph, refine/prove/reuse.py)
     assert engine.stats["reused"] + engine.stats["replayed"] - before >= 2 * 3
 
 

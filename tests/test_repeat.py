@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from refine import prove
 from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
+from refine.prove import engine as prove
 from refine.relate.program import DistProgram
 
 REG = load_registry()

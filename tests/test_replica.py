@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from refine import prove
 from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
@@ -18,6 +17,7 @@ from refine.ir.layout import join_replicas
 from refine.ir.term import Term, leaf
 from refine.ops.interp import differential, random_inputs
 from refine.ops.registry import load_registry
+from refine.prove import engine as prove
 from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()

@@ -1,4 +1,4 @@
-"""Replay of a repeated layer's steps (refine/reuse.py): it fires on identical layers, never
+"""Replay of a repeated layer's steps (refine/prove/reuse.py): it fires on identical layers, never
 changes a verdict or a culprit, and what decides it is the check of every renamed premise,
 not how the renaming was found."""
 
@@ -15,8 +15,8 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.importer.entangle import import_case
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
+from refine.prove.reuse import Replayer, canon
 from refine.report import Report
-from refine.reuse import Replayer, canon
 
 T, H, F = 4, 8, 16
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
@@ -113,7 +113,7 @@ def test_every_term_colliding_falls_back_to_proving(tmp_path: Path, monkeypatch:
     """With one key for every term, every earlier step is a candidate for every node: the
     premise check turns the wrong ones down, so the verdicts and the culprit stand."""
     monkeypatch.setattr(Replayer, "key", lambda self, term: "same")
-    monkeypatch.setattr("refine.reuse.CANDIDATES", 50)
+    monkeypatch.setattr("refine.prove.reuse.CANDIDATES", 50)
     report, replayed, _ = _check(_stack(tmp_path / "a"))
     assert report.refines, str(report)
     bad, _, _ = _check(_stack(tmp_path / "b", bug_layer=1))
@@ -210,7 +210,7 @@ def test_a_differently_nested_concat_is_still_replayed(tmp_path: Path, monkeypat
     assert report.refines, str(report)
     assert any(offered)  # some terms were renested
     assert replayed == replayed_base > 0
-    monkeypatch.setattr("refine.reuse._flat_cats", lambda args, dim: args)
+    monkeypatch.setattr("refine.prove.reuse._flat_cats", lambda args, dim: args)
     nested, replayed_nested, _ = _check(_stack(tmp_path / "c", world=4))
     assert nested.refines and replayed_nested < replayed
 
@@ -253,8 +253,8 @@ def test_a_replayed_fact_must_be_a_fact_here() -> None:
     from collections import Counter
 
     from refine.ir.graph import TensorType
+    from refine.prove.reuse import Premises
     from refine.relate.program import DistProgram
-    from refine.reuse import Premises
 
     def head(w: str, j: int) -> Term:
         return Term("slice", (leaf(w),), (1, 2 * j, 2 * j + 2))
@@ -287,8 +287,8 @@ def test_a_tensor_only_a_fact_names_is_renamed_after_the_facts() -> None:
     from collections import Counter
 
     from refine.ir.graph import TensorType
+    from refine.prove.reuse import Premises
     from refine.relate.program import DistProgram
-    from refine.reuse import Premises
 
     prog = DistProgram()
     for i in (0, 1):

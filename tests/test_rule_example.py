@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from refine.ops.registry import load_registry, rewrite
-from refine.soundness import Harness
+from refine.prove.harness import Harness
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "models" / "rule_example"

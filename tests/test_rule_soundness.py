@@ -1,6 +1,6 @@
 """Every rewrite rule, alone in an e-graph of random well-shaped seed terms, only merges
 terms that evaluate (torch, float64) to the same tensor; and every rule fires on some seed.
-See refine/soundness.py for the design."""
+See refine/prove/harness.py for the design."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from refine.ops.registry import Rule, load_registry, rewrite
-from refine.soundness import Harness, RuleResult
+from refine.prove.harness import Harness, RuleResult
 
 REG = load_registry()
 RULE_NAMES = [r.name for r in REG.rules]

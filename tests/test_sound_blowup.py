@@ -2,7 +2,7 @@
 grows without limit.
 
 Ranks that compute 3x as `a = x + x; y = a + x` put a sum into the e-graph that holds a
-multiple of itself: y = a + x with x = y/3 (refine.prove relates rank tensors both ways,
+multiple of itself: y = a + x with x = y/3 (refine.prove.engine relates rank tensors both ways,
 rules/structure.py scale-inverse). Distributing a scale over such a sum (scale-sum) made a
 new multiple of it at every iteration, x/9, x/27, ..., and flattening sums and collecting
 like terms made every grouping of the factors: more than 20 minutes and 12 GB for this
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from refine import prove
 from refine.check import check, check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import Registry, load_registry, rule
-from refine.soundness import Harness
+from refine.prove import engine as prove
+from refine.prove.harness import Harness
 
 check_mod = importlib.import_module("refine.check")  # the module (refine exports its `check` function)
 SHAPE = [4, 4]
@@ -225,7 +225,7 @@ def test_a_runaway_rule_stops_at_the_default_budget(tmp_path: Path) -> None:
 
 def test_the_harness_checks_the_self_sum_index() -> None:
     """A wrong SumStop index (every sum said to hold like terms) is caught by the soundness
-    harness, which reads its true entries back (refine/soundness.py)."""
+    harness, which reads its true entries back (refine/prove/harness.py)."""
     reg = load_registry()
     bad = dataclasses.replace(rule("bad-sum-self", ["(= e (Sum ms))"], ["(set (SumStop ms) true)"], analysis=True),
                               family="bad")

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from refine import prove
 from refine.check import check_files
 from refine.frontends.graphfile import load_seq
 from refine.ir import graph
 from refine.ops.registry import load_registry
+from refine.prove import engine as prove
 
 Doc = dict[str, Any]
 KINDS = ("elementwise", "views", "matmuls", "sum")

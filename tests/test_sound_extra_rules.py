@@ -1,4 +1,4 @@
-"""`refine check --rules DIR` verifies what DIR adds before using it (refine/extra_rules.py).
+"""`refine check --rules DIR` verifies what DIR adds before using it (refine/prove/extra_rules.py).
 
 Each wrong rule directory below makes a buggy bundled example REFINE when its rules are used
 unchecked (the premise, shown with `refine.check.check` on the registry, which does not
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from refine import extra_rules, soundness
 from refine.check import check
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import load_registry
+from refine.prove import extra_rules, harness
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -100,13 +100,13 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture
 def harnesses(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     built: list[bool] = []
-    real = soundness.Harness
+    real = harness.Harness
 
-    def counting(*args: Any, **kwargs: Any) -> soundness.Harness:
+    def counting(*args: Any, **kwargs: Any) -> harness.Harness:
         built.append(bool(kwargs.get("symbolic")))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(soundness, "Harness", counting)
+    monkeypatch.setattr(harness, "Harness", counting)
     return built
 
 

@@ -279,7 +279,7 @@ def test_half_a_surrogate_pair_is_refused_at_load(tmp_path: Path, half: str, whe
 
 
 # ---------------------------------------------------------------------------------------
-# Names refine makes itself never take a rank tensor's name: refine.copies joins a synthetic
+# Names refine makes itself never take a rank tensor's name: refine.prove.copies joins a synthetic
 # `x#copies@r` to x; a rank's own tensor of that name had its definition replaced and was
 # made equal to x
 
@@ -288,7 +288,7 @@ def test_a_rank_tensor_named_like_the_synthetic_copies_keeps_its_definition(tmp_
     from test_copies import _case
 
     from refine.check import engine_for
-    from refine.copies import join_copies
+    from refine.prove.copies import join_copies
     from refine.relate.program import build_program, seq_input_relations
 
     s, d = _case(tmp_path)

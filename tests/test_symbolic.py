@@ -15,7 +15,7 @@ from refine.ir import sizes
 from refine.ops.interp import audit, instantiate, valuation
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
-from refine.prove import infer
+from refine.prove.engine import infer
 from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()

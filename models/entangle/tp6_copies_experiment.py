@@ -22,11 +22,11 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, cat, leaf
-from refine.prove import _ancestry
+from refine.prove.engine import _ancestry
 from refine.report import print_report
 
 C = importlib.import_module("refine.check")  # the module (refine.check is also a function)
-P = importlib.import_module("refine.prove")
+P = importlib.import_module("refine.prove.engine")
 RANKS, HEADS, QUERY_HEADS, GROUP = 6, 6, 32, 4
 KV = ("concatenate_84.cat", "reshape_58.view")  # one layer's rotated k, and v (dumps' names)
 

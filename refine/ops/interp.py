@@ -797,7 +797,7 @@ def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 
     against the sequential value on random consistent inputs (with symbolic sizes: at a
     random valuation of the symbols, the relations inferred once for all of them)."""
     from refine.check import case_features, engine_for, is_symbolic
-    from refine.prove import infer
+    from refine.prove.engine import infer
     from refine.relate.program import build_program, seq_input_relations
 
     registry = registry or load_registry()

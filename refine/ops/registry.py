@@ -76,7 +76,7 @@ class Op:
     linear: str = ""
     # A node of this op with no clean relation is seen by its users as the op over its
     # inputs' clean relations (not an opaque leaf), and their steps search the rank program
-    # deeper (`refine.prove.DEEP_HOPS`): blockwise (online-softmax) attention never holds
+    # deeper (`refine.prove.engine.DEEP_HOPS`): blockwise (online-softmax) attention never holds
     # softmax's value, only what its users compute from it.
     fuse: bool = False
 
@@ -116,7 +116,7 @@ class Registry:
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
     # the file each op, rule and declaration came from ("op NAME", "rule NAME", "decl TEXT"),
-    # so a refusal can name it (refine.extra_rules)
+    # so a refusal can name it (refine.prove.extra_rules)
     origins: dict[str, str] = field(default_factory=dict)
     # the content digest (`dir_digest`) of each extra rule directory, taken when it was read
     digests: tuple[str, ...] = ()
@@ -219,7 +219,7 @@ def load_registry(extra_dirs: Iterable[Path | str] = ()) -> Registry:
             if path.name.startswith("_"):
                 continue
             reg.add_family(path.stem, _load_module(path))
-    # the digests must describe the code that ran (refine.extra_rules keys verification on them)
+    # the digests must describe the code that ran (refine.prove.extra_rules keys verification on them)
     if tuple(dir_digest(d) for d in dirs[1:]) != digests:
         raise ValueError(f"a rule directory changed while it was read: {', '.join(map(str, dirs[1:]))}")
     _CACHE[key] = reg.finish()

@@ -77,13 +77,13 @@ class DistProgram:
     outputs: dict[str, str] = field(default_factory=dict)  # "name@r" of a rank output -> tensor
     same: UnionFind = field(default_factory=UnionFind)
     opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (refine.ir.term.OPAQUE)
-    constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.is_constant
+    constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.engine.is_constant
     # equalities of terms over rank inputs that hold of parts only (refine.ir.layout): a slice
     # of one rank's fused weight equal to the same slice of another's. A step whose e-graph
-    # names a leaf of one is told it (refine.prove)
+    # names a leaf of one is told it (refine.prove.engine)
     facts: list[tuple[Term, Term]] = field(default_factory=list)
     fact_index: dict[str, list[int]] = field(default_factory=dict)  # leaf -> facts naming it
-    # synthetic tensors `x#copies@r` that refine.copies joined to x: x as a concat of
+    # synthetic tensors `x#copies@r` that refine.prove.copies joined to x: x as a concat of
     # broadcasts of the heads it copies (its own or another rank's)
     copies: set[str] = field(default_factory=set)
 

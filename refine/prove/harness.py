@@ -10,7 +10,7 @@
    seeds come from a random stream of its own, so a new op leaves the others' seeds as they
    were; index arguments hold integers below the indexed size.
 2. **One rule at a time.** One egglog e-graph holds every declaration, the shape analysis
-   (ruleset `shapes`, as in `refine.prove.Engine`) and each rule in a ruleset of its own.
+   (ruleset `shapes`, as in `refine.prove.engine.Engine`) and each rule in a ruleset of its own.
    For each rule: push, insert the seeds whose ops cover the rule's query, run the rule a
    few times (saturating the shape analysis in between), serialize the e-graph, pop.
 3. **Check.** Leaves get random float64 values (ids: int64 below the table size, masks:
@@ -682,7 +682,7 @@ class Harness:
     symbolic: bool = False  # compile the rules for PyObject sizes, as symbolic checks run them
 
     def __post_init__(self) -> None:
-        from refine.prove import Engine
+        from refine.prove.engine import Engine
 
         reg = self.registry
         bare = replace(reg, rules=[], ops=dict(reg.ops), decls=list(reg.decls), families=list(reg.families))

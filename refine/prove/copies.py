@@ -18,7 +18,7 @@ so the joined form is exact. A numeric match the e-graph does not prove is dropp
 
 Each proven form joins `prog.same` through a synthetic rank tensor `name#copies@r`
 (recorded in `prog.copies`): every step that names the tensor gets the form, and the walk
-(refine.prove.frontier) reaches a rank's users through another rank's copy (rank 5's
+(refine.prove.engine.frontier) reaches a rank's users through another rank's copy (rank 5's
 scores, whose key no relation names, through rank 4's key).
 """
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from refine.ops.registry import Registry
-    from refine.prove import Engine
+    from refine.prove.engine import Engine
     from refine.relate.program import DistProgram
 
 REGION_DEPTH = 16  # uses after a copied weight that the search follows
@@ -216,7 +216,7 @@ class _Values:
 
     def _reads(self, name: str) -> list[str]:
         """The rank tensors `_value` reads, in the order it reads them."""
-        from refine.prove import is_constant
+        from refine.prove.engine import is_constant
 
         d = self.prog.defs.get(name)
         if name in self.defines or d is None or not (name in self.region or is_constant(self.prog, name)):
@@ -231,7 +231,7 @@ class _Values:
         return out
 
     def _value(self, name: str) -> Tensor:
-        from refine.prove import is_constant
+        from refine.prove.engine import is_constant
 
         d = self.prog.defs.get(name)
         if name in self.defines:  # a defined rank input: from the random sequential inputs
@@ -338,7 +338,7 @@ def _prove(names: list[str], dim: int, cls: dict[Unit, Unit], prog: DistProgram,
 def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> list[str]:
     """Definitions back from `names` through the region, and OUTSIDE more beyond it,
     inputs first; constants with their closure."""
-    from refine.prove import _constant_closure, is_constant
+    from refine.prove.engine import _constant_closure, is_constant
 
     out: list[str] = []
     seen: set[str] = set()

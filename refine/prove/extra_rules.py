@@ -5,7 +5,7 @@ trusted *code*. What this module checks is that its *content* is right, since a 
 makes a buggy program REFINE. What the directory adds to the built-in families is checked:
 
 - every rule the built-in registry does not hold with the same name and text (a built-in
-  template applied to a new op is new): the soundness harness (`refine.soundness`) runs it
+  template applied to a new op is new): the soundness harness (`refine.prove.harness`) runs it
   alone on random seed terms, with concrete sizes and, for a rule marked `symbolic`, with
   symbolic ones. Only these rules are compiled (with the built-in analyses they may read):
   the built-in rules are the test suite's job;
@@ -256,7 +256,7 @@ def require_verified(registry: Registry, dirs: list[str], symbolic: bool, trust:
 
 
 def _check_rules(registry: Registry, rules: list[Rule]) -> list[Finding]:
-    from refine import soundness
+    from refine.prove import harness
 
     if not rules:
         return []
@@ -272,8 +272,8 @@ def _check_rules(registry: Registry, rules: list[Rule]) -> list[Finding]:
         if not mine:
             continue
         try:
-            h = soundness.Harness(sub, seed=SEED + symbolic, instances=INSTANCES, max_seeds=MAX_SEEDS,
-                                  symbolic=symbolic)
+            h = harness.Harness(sub, seed=SEED + symbolic, instances=INSTANCES, max_seeds=MAX_SEEDS,
+                                symbolic=symbolic)
             results = {res.rule: res for res in h.run([r.name for r in mine])}
         except Exception as e:  # noqa: BLE001 - a harness that cannot run tested nothing
             why = f"the soundness harness could not run ({mode} sizes): {type(e).__name__}: {str(e)[:300]}"

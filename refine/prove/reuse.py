@@ -1,7 +1,7 @@
 """Prove a repeated layer once: a step's proof, renamed, is the proof of the same step in
 another layer.
 
-A step (`refine.prove.Engine.step`) tells an e-graph a set of facts, its *premises*, and
+A step (`refine.prove.engine.Engine.step`) tells an e-graph a set of facts, its *premises*, and
 extracts a term equal to the sequential one:
 
 - the sequential term: the node's op over its inputs' relations (terms over rank tensors, or
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from refine.ir.term import OPAQUE, Term
 
 if TYPE_CHECKING:
-    from refine.prove import StepResult
+    from refine.prove.engine import StepResult
     from refine.relate.program import DistProgram
 
 CANDIDATES = 4  # earlier steps tried per key, most recent first
@@ -207,7 +207,7 @@ class Replayer:
     def replay(self, term: Term) -> StepResult | None:
         """A clean result for `term` renamed from an earlier step whose premises, renamed,
         are true here; None when there is none (the caller proves the node)."""
-        from refine.prove import StepResult
+        from refine.prove.engine import StepResult
 
         cands = self.memo.get(self.key(term))
         if not cands or "D" not in term.ops():

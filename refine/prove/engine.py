@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from refine.egg import bindings
 from refine.ir.graph import Graph, Node
 from refine.ir.term import (
     LEAF_OPS,
@@ -45,8 +44,9 @@ from refine.ops.registry import (
     dims_prelude,
     end_of_atom,
 )
+from refine.prove.egg import bindings
+from refine.prove.reuse import Premises, Replayer
 from refine.relate.program import DistProgram, term_type
-from refine.reuse import Premises, Replayer
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
@@ -121,7 +121,7 @@ class StepResult:
     found: list[str]
     checks: list[bool]
     seconds: float
-    premises: Premises | None = None  # what the step's e-graph was told (refine.reuse replays it)
+    premises: Premises | None = None  # what the step's e-graph was told (refine.prove.reuse replays it)
     # rank tensors the step proved equal to a tensor its best term names: the ranks' own
     # name for a piece may be another than the one extracted (a rank recomputing a mask)
     same: list[tuple[str, str]] = field(default_factory=list)
@@ -289,7 +289,7 @@ class Engine:
         that text: a repeated layer (same ops, shapes and relations over other tensors) is
         proven once and its result renamed, not recomputed. `early`: EARLY_STOP applies.
         `both`: the checks are put in the e-graph too, so rules rewrite them as well (an
-        equality of two terms that each only reduce to a common form, refine.copies);
+        equality of two terms that each only reduce to a common form, refine.prove.copies);
         otherwise a check holds when saturation makes `seq`'s class reach it."""
         t0 = time.perf_counter()
         em = _Emitter(self.sorts, prog, registry, self.symbolic)
@@ -1073,7 +1073,7 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
             x = todo.pop()
             # structural: the users of every tensor equal to x (another rank's copy of a
             # replicated head, joined by join_fact_consequences) are its users too
-            # and a copy's users (refine.copies: rank 5's key is rank 4's head) are its tensor's
+            # and a copy's users (refine.prove.copies: rank 5's key is rank 4's head) are its tensor's
             for u in sorted(_users_of_class(prog, x)) if structural or x in prog.copies else prog.users.get(x, ()):
                 if u in seen or u in nxt:
                     continue
@@ -1220,7 +1220,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     search the rank program `DEEP_HOPS` uses deep for their own counterpart.
 
     With `replay`, a node whose term has the shape of an earlier clean step's is first
-    offered to `refine.reuse.Replayer`: that step's premises renamed onto this node, each
+    offered to `refine.prove.reuse.Replayer`: that step's premises renamed onto this node, each
     checked against the rank program, give its result renamed (a repeated layer is proven
     once); when they do not hold, the node is proven as usual."""
     down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
@@ -1233,7 +1233,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     # layer's made every later frontier larger: aws_llama TP8 eight layers took 3.6 GB)
     offered: dict[str, dict[str, int]] = {}  # node -> counterpart -> uses it may still go
     fusing = {name for name, op in registry.ops.items() if op.fuse}
-    # a repeated layer's steps are instantiated from an earlier, identical one (refine.reuse)
+    # a repeated layer's steps are instantiated from an earlier, identical one (refine.prove.reuse)
     replayer = Replayer(prog, engine.stats, engine.fired) if replay else None
     carried: set[str] = set()  # unclean nodes whose users see their term (CARRY_OPS)
     if prog.facts:
