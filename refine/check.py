@@ -11,7 +11,6 @@ from pathlib import Path
 from refine.frontends.graphfile import InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
-from refine.localize import localize
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
@@ -19,7 +18,8 @@ from refine.prove.copies import join_copies
 from refine.prove.engine import Engine, frontier, infer, structural_ancestry
 from refine.prove.extra_rules import require_verified
 from refine.relate.program import DistProgram, build_program, placed_terms, seq_input_relations
-from refine.report import OutputResult, Report, Stuck
+from refine.verdict.localize import localize
+from refine.verdict.report import OutputResult, Report, Stuck
 
 _ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
 EXPECT_HOPS = 8

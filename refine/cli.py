@@ -32,7 +32,7 @@ def main() -> None:
 def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool) -> None:
     """Check that DIST (per-rank graphs) refines SEQ (the sequential graph)."""
     from refine.check import check_files
-    from refine.report import print_report
+    from refine.verdict.report import print_report
 
     try:
         report = check_files(seq, dist, rules, trust_rules)
@@ -74,7 +74,7 @@ def capture_cmd(target: str, out: str, world_size: int | None, then_check: bool)
     click.echo(f"wrote {out}/seq.json and {out}/dist.json")
     if not then_check:
         return
-    from refine.report import print_report
+    from refine.verdict.report import print_report
 
     try:
         report = case.check()

@@ -144,7 +144,7 @@ def test_ddp_mlp_refines_and_its_twins_do_not() -> None:
     assert sum_not_avg.culprit is not None
     assert sum_not_avg.culprit.rank_source == line_of(MODELS / "ddp_mlp.py", "dist.all_reduce(p.grad, op=op)")
     # every output off by one factor (the world size): the flip of the reduction to AVG is the edit
-    # that repairs them all (refine.factor), so the culprit is the all-reduce's own line
+    # that repairs them all (refine.verdict.factor), so the culprit is the all-reduce's own line
     assert sum_not_avg.culprit.source == sum_not_avg.culprit.rank_source
     twice = capture(DDP.make_case(bug="loss_averaged_twice")).check()
     assert not twice.refines and "loss" in failing(twice)

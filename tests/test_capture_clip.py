@@ -142,7 +142,7 @@ def test_clip_grad_norm_without_foreach_refines() -> None:
     # all-reduce sums them (a bias added before the reduction), at get_total_norm
     ("replicated_norm_all_reduced", "torch.nn.utils.clip_grad_norm_("),
     # each rank clips with its own shards' norm: adding a SUM all-reduce after the squared
-    # local norm repairs every output (refine.missing_reduce), so that line is named
+    # local norm repairs every output (refine.verdict.missing_reduce), so that line is named
     ("norm_not_all_reduced", "total_norm = grad_norm ** 2"),
 ])
 def test_clip_twins_are_found_at_the_norm(bug: str, line: str) -> None:

@@ -131,7 +131,7 @@ def test_fsdp_reduce_scatter_sum_not_avg() -> None:
     culprit = report.culprit
     assert culprit is not None
     # every relation is clean and every gradient is world times too large: flipping the
-    # reduce-scatters to AVG repairs them all (refine.factor), so the culprit is their line; the
+    # reduce-scatters to AVG repairs them all (refine.verdict.factor), so the culprit is their line; the
     # sequential node of the first failing gradient keeps its line (fc1's), and the rank nodes
     # computing it are those reduce-scatters of the gather's backward
     path = MODELS / "fsdp_mlp.py"

@@ -86,7 +86,7 @@ def test_accumulation_with_four_micro_batches_refines() -> None:
 @pytest.mark.parametrize("bug,wrong,snippet,output", [
     # grads M times too small; the reported loss is right. Every sequential relation is clean
     # and every failing output is twice what the ranks hold (the report shows 2 * ...@0): the
-    # counterfactual edit of refine.factor names the line whose constant is wrong, the second
+    # counterfactual edit of refine.verdict.factor names the line whose constant is wrong, the second
     # division of the accumulated gradients (its 1/2 times 2 is 1: the line should not scale)
     ("loss_divided_twice", DP_GRADS, "p.grad.div_(micro_batches)", "fc1.weight.grad"),
     # the mean over the global batch's count: grads and loss world times too small; the

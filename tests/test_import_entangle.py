@@ -181,7 +181,7 @@ def test_bug_grad_accumulation(tmp_path: Path) -> None:
     """Two micro-batches each averaged over 4, then added: the loss is twice the sequential
     one's mean. The relation shows each micro-batch mean taken with weight 1/2, next to a term
     (the accumulator's start) weighted right; the culprit is the per-micro-batch mean's line,
-    whose 1/4 times 1/2 makes the loss right (refine.factor, the factor read off the terms)."""
+    whose 1/4 times 1/2 makes the loss right (refine.verdict.factor, the factor read off the terms)."""
     r, out = _import(tmp_path, "bug_grad_accumulation/1step", "bug_grad_accumulation/2step.bug",
                      "bug_grad_accumulation.json")
     assert r.exit_code == 0, r.output

@@ -93,7 +93,7 @@ def test_an_unrelated_tensor_is_opaque_to_its_users() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# a wrong constant factor, found by editing the rank programs (refine.factor)
+# a wrong constant factor, found by editing the rank programs (refine.verdict.factor)
 
 
 def _dp_mean(tmp: Path, extra: list[dict], reduce_op: str = "avg") -> tuple[object, object]:
@@ -127,7 +127,7 @@ def _dp_mean(tmp: Path, extra: list[dict], reduce_op: str = "avg") -> tuple[obje
 
 
 def test_a_wrong_factor_is_found_at_its_line(tmp_path: Path) -> None:
-    from refine.factor import wrong_factor
+    from refine.verdict.factor import wrong_factor
 
     seq, dist = _dp_mean(tmp_path, [])
     assert wrong_factor(seq, dist, REG, []) is None  # right: nothing to find

@@ -133,7 +133,7 @@ def test_cli_mutate_exits_1_on_an_unsound_verdict(tmp_path: Path, monkeypatch: p
     """A checker that says REFINES to everything: the numerically wrong mutants make exit 1."""
     import importlib
 
-    from refine.report import Report
+    from refine.verdict.report import Report
 
     monkeypatch.setattr(importlib.import_module("refine.check"), "check", lambda *a, **k: Report(True, []))
     seq, dist = _tp_mlp(tmp_path)

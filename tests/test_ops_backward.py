@@ -18,7 +18,7 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
 from refine.ops.interp import audit, differential
 from refine.ops.registry import load_registry
-from refine.report import Report
+from refine.verdict.report import Report
 
 REG = load_registry()
 Case = tuple[GraphBuilder, dict[int, GraphBuilder], list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]

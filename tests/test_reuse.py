@@ -16,7 +16,7 @@ from refine.frontends.importer.entangle import import_case
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
 from refine.prove.reuse import Replayer, canon
-from refine.report import Report
+from refine.verdict.report import Report
 
 T, H, F = 4, 8, 16
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"

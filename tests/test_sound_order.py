@@ -33,7 +33,7 @@ from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.ops.interp import EvalError, eval_ranks, random_inputs
 from refine.ops.registry import load_registry
 from refine.ops.schedule import simulate
-from refine.report import Report
+from refine.verdict.report import Report
 
 REG = load_registry()
 SRC = "order.py"

@@ -23,7 +23,7 @@ from typing import Any
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, cat, leaf
 from refine.prove.engine import _ancestry
-from refine.report import print_report
+from refine.verdict.report import print_report
 
 C = importlib.import_module("refine.check")  # the module (refine.check is also a function)
 P = importlib.import_module("refine.prove.engine")

@@ -51,7 +51,7 @@ from typing import Any
 
 from refine.ir.graph import Graph, Node
 from refine.ops.registry import Registry
-from refine.report import Stuck
+from refine.verdict.report import Stuck
 
 Key = tuple[Any, ...]  # (group, k) for a collective, (("p2p", src, dst), j) for a send/recv
 

@@ -46,7 +46,7 @@ from refine.frontends.capture.values import check_values, has_values
 from refine.frontends.graphfile import FORMAT, VERSION, InputError, load_dist, load_seq
 from refine.ir.graph import Dist, Graph
 from refine.ops.registry import Registry, load_registry
-from refine.report import Report
+from refine.verdict.report import Report
 
 
 @dataclass

@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, replace
 from itertools import product
 
-from refine.factor import _outputs_ok, _rank_outputs, distances
 from refine.ir.graph import Dist, Graph, Node, case_symbols
 from refine.ops.interp import (
     EvalError,
@@ -26,6 +25,7 @@ from refine.ops.interp import (
     valuation,
 )
 from refine.ops.registry import Registry
+from refine.verdict.factor import _outputs_ok, _rank_outputs, distances
 
 MAX_TRIES = 12  # lines edited at most (each one evaluation of the rank programs)
 

@@ -11,7 +11,7 @@ from refine.ops.lower import lower
 from refine.ops.registry import Registry
 from refine.prove.engine import Inference
 from refine.relate.program import DistProgram
-from refine.report import Culprit, OutputResult
+from refine.verdict.report import Culprit, OutputResult
 
 UNCLEAN = "no clean relation: no expression over rank tensors built from concat/slice/sum/scale/views equals it"
 
@@ -23,7 +23,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     the reduction, say); else the first node, in topological order, with no clean
     relation (unless a failing output with a clean relation comes first); else the node
     producing the output, and, when every failing output is off by
-    one constant factor, the rank program line whose constant is wrong (`refine.factor`,
+    one constant factor, the rank program line whose constant is wrong (`refine.verdict.factor`,
     found by evaluating edited rank programs: needs `dist`).
 
     The first rule matters because such a misplaced op often leaves a clean relation (the
@@ -76,7 +76,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         elif dist is not None and any(registry.ops[core.index()[a].op].fuse for a in node.tensor_args()
                                       if isinstance(core.index().get(a), Node)):
             # over a fused value no rank holds (a global norm): a missing reduction shows
-            # only in the values, so try adding one (refine.missing_reduce)
+            # only in the values, so try adding one (refine.verdict.missing_reduce)
             missing = _missing_reduce(seq, dist, registry, failing)
             if missing is not None:
                 rank_node, rank_source, why = missing
@@ -144,9 +144,9 @@ def _makers(prog: DistProgram, out: OutputResult) -> list[str]:
 
 def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
                     failing: list[OutputResult]) -> tuple[str, str, str] | None:
-    """`refine.missing_reduce.missing_reduce` for the failing outputs: (the rank node, its
+    """`refine.verdict.missing_reduce.missing_reduce` for the failing outputs: (the rank node, its
     source line, what the edit was), or None."""
-    from refine.missing_reduce import missing_reduce
+    from refine.verdict.missing_reduce import missing_reduce
 
     found = missing_reduce(seq, dist, registry, [r.name for r in failing])
     if found is None:
@@ -159,10 +159,12 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
 
 def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
                   prog: DistProgram) -> tuple[str, str, str, str] | None:
-    """`refine.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
+    """`refine.verdict.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
     it, its source line, what the edit was, what was off), or None. A rank node the relations prove equal
     to a sequential tensor is right, so its line is not edited."""
-    from refine.factor import wrong_factor  # evaluates rank programs: imports torch, only here
+    from refine.verdict.factor import (
+        wrong_factor,  # evaluates rank programs: imports torch, only here
+    )
 
     find = prog.same.find
     renames: dict[int, dict[str, str]] = {}
@@ -241,7 +243,7 @@ def _term_factor(failing: list[OutputResult], refs: dict[str, str], inf: Inferen
     weighted sums of the same terms, and the terms whose weights differ are all off by one
     factor c (a loss adding micro-batch means where the sequential mean halves each, next to a
     term that is right): c. The rank line that scales those terms by a wrong constant is then
-    found as for a wrong factor of the whole output (`refine.factor`)."""
+    found as for a wrong factor of the whole output (`refine.verdict.factor`)."""
     ratios: set[Fraction] = set()
     for r in failing:
         rel = inf.relations.get(refs.get(r.name, ""))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
-from refine.report import Culprit, Report
+from refine.verdict.report import Culprit, Report
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
