@@ -1,4 +1,4 @@
-"""Mutation sweep (refine/mutate.py) over the bundled examples (models/*, the correct ones),
+"""Mutation sweep (refine/oracle/mutate.py) over the bundled examples (models/*, the correct ones),
 cases built or captured here (collectives of several groups, a pipeline's sends and recvs:
 what the order-swap operators need) and corpus cases: inject seeded bugs, check and (where
 the case is small enough to run in torch) evaluate each mutant, and write bench_mutate.md
@@ -161,14 +161,14 @@ def _write_case(case: Case, d: Path) -> None:
 def operator_order() -> list[str]:
     """The new operators first: a case's mutants take the operators in turn, so each gets
     its share whatever the count (the older ones are also what the bundled tests cover)."""
-    from refine.mutate import ALL_OPERATORS, OPERATORS
+    from refine.oracle.mutate import ALL_OPERATORS, OPERATORS
 
     return [o for o in ALL_OPERATORS if o not in OPERATORS] + list(OPERATORS)
 
 
 def one(name: str, count: int | None, seed: int) -> dict[str, object]:
-    from refine.mutate import load_case, read_doc, run
     from refine.ops.registry import load_registry
+    from refine.oracle.mutate import load_case, read_doc, run
 
     case = next(c for c in CASES if c.name == name)
     t0 = time.perf_counter()

@@ -219,7 +219,7 @@ def rules_verify_cmd(rules: tuple[str, ...], only: tuple[str, ...], seed: int, m
 @click.option("--count", type=int, default=10, show_default=True, help="how many mutants (that load) to check")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--operator", "operators", multiple=True,
-              help="only this mutation operator (repeatable); see refine/mutate.py")
+              help="only this mutation operator (repeatable); see refine/oracle/mutate.py")
 @click.option("--no-eval", "no_eval", is_flag=True,
               help="do not run the programs in torch (cases too large to evaluate): verdicts only")
 @RULES_OPTION
@@ -232,8 +232,8 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
 
     from rich.table import Table
 
-    from refine.mutate import ALL_OPERATORS, load_case, read_doc, run
     from refine.ops.registry import load_registry
+    from refine.oracle.mutate import ALL_OPERATORS, load_case, read_doc, run
 
     unknown = sorted(set(operators) - set(ALL_OPERATORS))
     if unknown:

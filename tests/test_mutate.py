@@ -1,4 +1,4 @@
-"""Mutation testing (refine/mutate.py): realistic distributed bugs injected into correct
+"""Mutation testing (refine/oracle/mutate.py): realistic distributed bugs injected into correct
 cases must never REFINE while numerically wrong. Each operator runs at least once on small
 built cases (a tensor-parallel MLP with a residual, the sequence-parallel MLP example), and
 a few on an imported corpus case (skipped when the corpus is not next to this checkout)."""
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import InputError
-from refine.mutate import OPERATORS, Judge, load_case, mutants, mutate_one
 from refine.ops.registry import load_registry
+from refine.oracle.mutate import OPERATORS, Judge, load_case, mutants, mutate_one
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus" / "entangle"
@@ -185,7 +185,7 @@ def test_a_dead_site_is_neutral_and_too_large_a_case_is_unjudged(tmp_path: Path,
 
 
 def load_mutant_doc(doc: dict, seq: object) -> object:
-    from refine.mutate import load_mutant
+    from refine.oracle.mutate import load_mutant
 
     return load_mutant(doc, seq, REG)  # type: ignore[arg-type]
 

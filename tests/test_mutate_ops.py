@@ -1,4 +1,4 @@
-"""The mutation operators aimed at the checker's blind spots (refine/mutate.py): value-changing
+"""The mutation operators aimed at the checker's blind spots (refine/oracle/mutate.py): value-changing
 casts, communications of different groups swapped in program order, relations whose layout
 reads a rank tensor twice, hostile names; the order-faithful deadlock oracle; the "refused"
 and "crashed" outcomes; the sweep's table (refine/bench_mutate.py).
@@ -22,7 +22,9 @@ from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import InputError
 from refine.ir.term import parse_layout
-from refine.mutate import (
+from refine.ops.registry import load_registry
+from refine.ops.schedule import deadlock
+from refine.oracle.mutate import (
     ALL_OPERATORS,
     HOSTILE_NAMES,
     INT_DTYPES,
@@ -39,8 +41,6 @@ from refine.mutate import (
     mutate_one,
     read_doc,
 )
-from refine.ops.registry import load_registry
-from refine.ops.schedule import deadlock
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -262,7 +262,7 @@ def _layout_of(doc: dict[str, Any], source: str) -> list[str]:
 
 
 def _leaves(text: str) -> list[str]:
-    from refine.mutate import _leaf_list
+    from refine.oracle.mutate import _leaf_list
 
     return _leaf_list(parse_layout(text))
 
@@ -295,7 +295,7 @@ def test_relation_mutants_read_a_rank_tensor_twice(operator: str) -> None:
 def test_a_relation_mutants_control_is_the_relation_itself(tmp_path: Path, operator: str) -> None:
     """The control of a relation mutant (written as a layout, nothing repeated) is the same
     relation: the correct case with it still refines and computes the same."""
-    from refine.mutate import RELATION_OPERATORS
+    from refine.oracle.mutate import RELATION_OPERATORS
 
     seq, dist, doc, _ = _case(MODELS / "sp_mlp_4ranks")
     for rel in dist.relations:
@@ -406,7 +406,7 @@ def test_a_mutant_refused_at_load_for_its_defect(monkeypatch: pytest.MonkeyPatch
     """A loader that refuses casts to an integer dtype (as a fix may): int_cast mutants come
     out refused (their control, the same casts within float, loads) and are judged refused
     without a check; a mutant of another operator that does not load is still skipped."""
-    import refine.mutate as mutate
+    import refine.oracle.mutate as mutate
 
     real = mutate.load_mutant
 

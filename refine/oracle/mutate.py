@@ -174,7 +174,7 @@ def _new_node(registry: Registry, name: str, op: str, args: list[Any], attrs: di
     ins = [types[a] for a in args if isinstance(a, str)]
     typ = spec.shape(ins, normalize_attrs(spec, attrs, ins))
     node = {"name": name, "op": op, "args": args, "shape": _jsonable(list(typ.shape)), "dtype": typ.dtype,
-            "source": "refine.mutate"}
+            "source": "refine.oracle.mutate"}
     if attrs:
         node["attrs"] = attrs
     types[name] = typ
@@ -421,7 +421,7 @@ def _cast_node(name: str, op: str, x: str, shape: list[Any], dtype: str) -> Doc:
     """A cast written out whole, not through the op's shape rule: a loader that refuses
     the cast must be the one to say so."""
     return {"name": name, "op": op, "args": [x], "attrs": {"dtype": dtype}, "shape": shape, "dtype": dtype,
-            "source": "refine.mutate"}
+            "source": "refine.oracle.mutate"}
 
 
 def _float_dtype_other_than(dtype: str) -> str:
