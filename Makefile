@@ -26,9 +26,9 @@ lint: setup
 
 bench: setup
 	$(BIN)/python -m refine.bench
-	$(BIN)/python -m refine.bench_load  # loading 1e4..1e6-node graphs (time, memory, per node) and a 1e4-node check (bench_load.md)
-	$(BIN)/python -m refine.bench_corpus  # the external corpus matrix, when ../shared/corpus is there
-	$(BIN)/python -m refine.bench_mutate  # mutation sweep: examples, captured and corpus cases (bench_mutate.md); exit 1 if one is unsound or crashed
+	$(BIN)/python -m refine.bench.load  # loading 1e4..1e6-node graphs (time, memory, per node) and a 1e4-node check (bench_load.md)
+	$(BIN)/python -m refine.bench.corpus  # the external corpus matrix, when ../shared/corpus is there
+	$(BIN)/python -m refine.bench.mutate  # mutation sweep: examples, captured and corpus cases (bench_mutate.md); exit 1 if one is unsound or crashed
 
 clean:
 	rm -rf $(VENV) build *.egg-info

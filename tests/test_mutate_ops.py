@@ -1,7 +1,7 @@
 """The mutation operators aimed at the checker's blind spots (refine/oracle/mutate.py): value-changing
 casts, communications of different groups swapped in program order, relations whose layout
 reads a rank tensor twice, hostile names; the order-faithful deadlock oracle; the "refused"
-and "crashed" outcomes; the sweep's table (refine/bench_mutate.py).
+and "crashed" outcomes; the sweep's table (refine/bench/mutate.py).
 
 These tests assert the mutants' shape and what the evaluation (the oracle) says of them, not
 the checker's verdict: several of these mutants REFINE today (the holes they were made to
@@ -199,7 +199,7 @@ def test_swap_collectives_of_two_groups_deadlocks_on_one_rank_only(tmp_path: Pat
     """dp x tp: the tp all_reduce (group [0, 1]) moved before the world one on rank 0 alone:
     rank 1 waits in the world one for rank 0, which waits in the tp one for rank 1. Moved on
     every rank, the order is consistent: no deadlock, the same values."""
-    from refine.bench_mutate import dp_tp_stat
+    from refine.bench.mutate import dp_tp_stat
 
     dp_tp_stat(tmp_path)
     seq, dist, doc, _ = _case(tmp_path)
@@ -479,7 +479,7 @@ def test_a_check_past_its_cpu_limit_times_out(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_sweep_table_counts_per_operator_and_case() -> None:
-    from refine.bench_mutate import CASES, KINDS, one, operator_order, summary, table
+    from refine.bench.mutate import CASES, KINDS, one, operator_order, summary, table
 
     assert {c.name for c in CASES if c.kind == "example"} >= {"tp_mlp", "sp_mlp", "vocab_embedding"}
     assert not any("_bug_" in c.name for c in CASES)

@@ -10,7 +10,7 @@ Each case runs in a child process (its peak RSS and CPU time are its own), `--jo
 at a time but never two heavy ones (a corpus case evaluated in float64 holds GBs). Exit 1
 if any mutant is UNSOUND or crashed, or a case failed. Run by `make bench`, or alone:
 
-    python -m refine.bench_mutate [--only tp_mlp capture/pp_tied_2 ...] [--count N] [--seed 0] [--jobs 2]
+    python -m refine.bench.mutate [--only tp_mlp capture/pp_tied_2 ...] [--count N] [--seed 0] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from refine.bench_corpus import CORPUS, RELATIONS, ROOT
+from refine.bench.corpus import CORPUS, RELATIONS, ROOT
 
 KINDS = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "timeout", "unjudged")
 CHECK_LIMIT = 120.0  # CPU seconds for one mutant's check (aws_llama's take 10-20): past it, "timeout"
@@ -268,7 +268,7 @@ def sweep(cases: list[Case], count: int | None, seed: int, jobs: int, timeout: f
                 break
             if case.heavy and any(c.heavy for c, *_ in running):
                 continue
-            cmd = [sys.executable, "-m", "refine.bench_mutate", "--one", case.name, "--seed", str(seed)]
+            cmd = [sys.executable, "-m", "refine.bench.mutate", "--one", case.name, "--seed", str(seed)]
             if count is not None:
                 cmd += ["--count", str(count)]
             out_file = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the child runs
@@ -294,7 +294,7 @@ def sweep(cases: list[Case], count: int | None, seed: int, jobs: int, timeout: f
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refine.bench_mutate")
+    ap = argparse.ArgumentParser(prog="python -m refine.bench.mutate")
     ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--count", type=int, default=None, help="mutants per case (default: each case's own)")
     ap.add_argument("--seed", type=int, default=0)

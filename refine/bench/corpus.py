@@ -6,11 +6,11 @@ the analogue of the time the corpus README publishes for the original tool: "inf
 time, graph loading excluded"), peak RSS, time per node and, where the corpus README
 publishes one, the original tool's time and the ratio of our inference CPU time to it.
 
-Each configuration runs in a child process (`python -m refine.bench_corpus --one ...`) so its
+Each configuration runs in a child process (`python -m refine.bench.corpus --one ...`) so its
 peak RSS and CPU time are its own; a configuration that takes longer than --timeout seconds is recorded as
 such. Run by `make bench` (after the bundled examples), or alone:
 
-    python -m refine.bench_corpus [--only gpt/paral2_layer1 ...] [--timeout 600]
+    python -m refine.bench.corpus [--only gpt/paral2_layer1 ...] [--timeout 600]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: refine/bench/<this file>
 CORPUS = ROOT.parent / "shared" / "corpus" / "entangle"
 RELATIONS = ROOT / "models" / "entangle" / "relations"
 
@@ -94,7 +94,7 @@ def one(name: str, seq_dir: str, dist_dir: str, rel: str | None, out: Path) -> d
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m refine.bench_corpus")
+    ap = argparse.ArgumentParser(prog="python -m refine.bench.corpus")
     ap.add_argument("--only", nargs="*", default=None, help="configuration names (default: the whole matrix)")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench_corpus.md"))
@@ -119,7 +119,7 @@ def main(argv: list[str]) -> int:
     for name, seq, dist, rel in matrix():
         if args.only and name not in args.only:
             continue
-        cmd = [sys.executable, "-m", "refine.bench_corpus", "--one", name, seq, dist, rel or "-"]
+        cmd = [sys.executable, "-m", "refine.bench.corpus", "--one", name, seq, dist, rel or "-"]
         t0 = time.perf_counter()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)

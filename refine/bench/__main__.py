@@ -10,7 +10,7 @@ from pathlib import Path
 
 from refine.check import check_files
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: refine/bench/<this file>
 
 
 def main(argv: list[str]) -> int:

@@ -5,8 +5,8 @@ subprocess of its own for its time and peak memory; the time per node shows whet
 is linear. A correct 10^4-node chain pair is then checked whole (`refine check`). Measured
 here, never asserted in tests; writes bench_load.md.
 
-    python -m refine.bench_load            # every size
-    python -m refine.bench_load 10000      # some sizes
+    python -m refine.bench.load            # every size
+    python -m refine.bench.load 10000      # some sizes
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: refine/bench/<this file>
 SIZES = (10_000, 100_000, 1_000_000)
 CHECK_SIZE = 10_000
 HEAD = {"format": "refine-graph", "version": 1}
@@ -133,7 +133,7 @@ def _check(seq: str, dist: str) -> dict[str, Any]:
 
 
 def _child(what: str, seq: Path, dist: Path) -> dict[str, Any]:
-    p = subprocess.run([sys.executable, "-m", "refine.bench_load", f"--{what}", str(seq), str(dist)],
+    p = subprocess.run([sys.executable, "-m", "refine.bench.load", f"--{what}", str(seq), str(dist)],
                        capture_output=True, text=True, cwd=ROOT)
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
