@@ -11,7 +11,7 @@
 from typing import Any
 
 from refine.check import check, check_files
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 from refine.verdict.report import Report
 
 __all__ = ["InputError", "Report", "capture", "check", "check_files"]

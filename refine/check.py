@@ -8,7 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.ops.lower import UnsupportedOp, lower

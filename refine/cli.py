@@ -8,7 +8,7 @@ from typing import NoReturn
 import click
 from rich.console import Console
 
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 
 
 @click.group()

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from refine.check import check_files
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ops.registry import load_registry
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,8 @@ from torch import nn
 from refine import capture
 from refine.frontends.build import write_case
 from refine.frontends.capture.errors import CaptureError
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ops.registry import load_registry
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"

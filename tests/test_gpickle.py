@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from refine.frontends.graphfile import InputError
 from refine.frontends.importer.gpickle import NodeRef, load_gpickle
+from refine.ir.errors import InputError
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 from refine.check import check_files
 from refine.cli import main
-from refine.frontends.graphfile import InputError
 from refine.frontends.importer.entangle import fused_layout, fused_layouts, import_case
+from refine.ir.errors import InputError
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 MODELS = Path(__file__).resolve().parents[1] / "models" / "entangle" / "relations"

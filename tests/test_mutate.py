@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 from refine.ops.registry import load_registry
 from refine.oracle.mutate import OPERATORS, Judge, load_case, mutants, mutate_one
 

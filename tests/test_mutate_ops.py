@@ -20,7 +20,7 @@ import pytest
 
 from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 from refine.ir.term import parse_layout
 from refine.ops.registry import load_registry
 from refine.ops.schedule import deadlock

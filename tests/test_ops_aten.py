@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from refine.frontends.build import GraphBuilder, seq_doc
-from refine.frontends.graphfile import InputError, load_seq
+from refine.frontends.graphfile import load_seq
 from refine.ir import sizes
+from refine.ir.errors import InputError
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import ShapeError, load_registry

@@ -846,8 +846,8 @@ def test_importer_mechanism(tmp_path: Path, target: str) -> None:
 
 def test_importer_refuses_other_two_index_gathers() -> None:
     """Only x[arange(n), ids] is a row-wise gather: any other pair of index tensors fails closed."""
-    from refine.frontends.graphfile import InputError
     from refine.frontends.importer.entangle import convert_dump
+    from refine.ir.errors import InputError
 
     d = _Dump()
     x, ids = d.input("x", [4, 5]), d.input("ids", [4], "int64")

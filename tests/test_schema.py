@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ir.graph import DTYPES
 from refine.ops.registry import load_registry
 

@@ -23,7 +23,8 @@ from click.testing import CliRunner
 
 from refine.check import check
 from refine.cli import main
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ir.term import (
     LayoutSyntaxError,
     Term,

@@ -28,7 +28,8 @@ from torch import nn
 
 from refine import capture
 from refine.check import check, check_files
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
 from refine.ops.interp import EvalError, eval_ranks, random_inputs
 from refine.ops.registry import load_registry

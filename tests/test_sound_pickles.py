@@ -27,8 +27,8 @@ from torch.fx.passes.shape_prop import TensorMetadata
 
 import refine.frontends.importer.entangle  # noqa: F401 - imported here so the timings below measure the import only
 from refine.cli import main
-from refine.frontends.graphfile import InputError
 from refine.frontends.importer.gpickle import load_gpickle
+from refine.ir.errors import InputError
 
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"
 QUICK = 2.0  # seconds: every refusal here takes milliseconds; the bombs took minutes or all memory

@@ -24,7 +24,8 @@ from click.testing import CliRunner
 
 from refine.check import check, check_files
 from refine.cli import main
-from refine.frontends.graphfile import InputError, load_dist, load_seq
+from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ops.registry import load_registry
 
 REG = load_registry()

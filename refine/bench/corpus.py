@@ -61,8 +61,9 @@ def one(name: str, seq_dir: str, dist_dir: str, rel: str | None, out: Path) -> d
     inference alone: from the loaded graphs and registry to the verdict (lowering, the
     e-graph steps, expectations, localization when it does not refine)."""
     from refine.check import check
-    from refine.frontends.graphfile import InputError, load_dist, load_seq
+    from refine.frontends.graphfile import load_dist, load_seq
     from refine.frontends.importer.entangle import import_case
+    from refine.ir.errors import InputError
     from refine.ops.registry import load_registry
 
     t0 = time.perf_counter()

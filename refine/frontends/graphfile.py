@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from refine.ir import sizes
+from refine.ir.errors import InputError
 from refine.ir.graph import (
     DTYPES,
     VALUE_CLASSES,
@@ -78,12 +79,6 @@ FIELDS = {
     "define": ("define", "as"),
     "expectation": ("output", "local", "placements", "layout", "guessed"),
 }
-
-
-class InputError(ValueError):
-    def __init__(self, file: str, where: str, reason: str) -> None:
-        super().__init__(f"{file}: {where}: {reason}")
-        self.file, self.where, self.reason = file, where, reason
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine.frontends.graphfile import InputError, load_dist, read_json
+from refine.frontends.graphfile import load_dist, read_json
 from refine.ir import sizes
+from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
 from refine.ops.interp import (

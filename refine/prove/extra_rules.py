@@ -50,7 +50,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 from refine.ir.term import parse_sexps
 from refine.ops.registry import Op, Registry, Rule, builtin_rules_dir, load_registry
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 from refine.ir.graph import (
     Dist,
     Graph,

@@ -43,7 +43,8 @@ from refine.frontends.capture.trace import (
     trace_step,
 )
 from refine.frontends.capture.values import check_values, has_values
-from refine.frontends.graphfile import FORMAT, VERSION, InputError, load_dist, load_seq
+from refine.frontends.graphfile import FORMAT, VERSION, load_dist, load_seq
+from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph
 from refine.ops.registry import Registry, load_registry
 from refine.verdict.report import Report

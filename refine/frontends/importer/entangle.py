@@ -43,8 +43,8 @@ from torch import fx
 from refine.frontends.capture import aten
 from refine.frontends.capture.convert import Emitter
 from refine.frontends.capture.errors import CaptureError
-from refine.frontends.graphfile import InputError
 from refine.frontends.importer.gpickle import NodeRef, PGraph, PNode, SymbolRef, load_gpickle
+from refine.ir.errors import InputError
 from refine.ir.graph import TensorType
 from refine.ops.registry import Registry, load_registry
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refine.frontends.graphfile import InputError
+from refine.ir.errors import InputError
 
 MAX_BYTES = 256 * 1024 * 1024  # far above the largest corpus file; a bound on what we parse
 MAX_OPCODES = 1 << 23  # opcodes of a file (84k in the largest corpus file): bounds the objects and the stack
