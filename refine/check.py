@@ -11,6 +11,7 @@ from pathlib import Path
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
+from refine.ir.layout import placed_terms
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
@@ -18,7 +19,7 @@ from refine.ops.schedule import ScheduleError, deadlock
 from refine.prove.copies import join_copies
 from refine.prove.engine import Engine, frontier, infer, structural_ancestry
 from refine.prove.extra_rules import require_verified
-from refine.relate.program import DistProgram, build_program, placed_terms, seq_input_relations
+from refine.relate.program import DistProgram, build_program, seq_input_relations
 from refine.verdict.localize import localize
 from refine.verdict.report import OutputResult, Report, Stuck
 

@@ -13,6 +13,7 @@ import torch
 from refine.check import check
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
+from refine.ir.layout import placed_terms
 from refine.ir.term import Term, leaf, parse_layout
 from refine.ops.interp import (
     audit,
@@ -24,7 +25,7 @@ from refine.ops.interp import (
     random_inputs,
 )
 from refine.ops.registry import load_registry
-from refine.relate.program import build_program, placed_terms
+from refine.relate.program import build_program
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 CASES = sorted(p.name for p in MODELS.iterdir() if (p / "seq.json").is_file() and (p / "dist.json").is_file())

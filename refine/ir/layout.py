@@ -1,4 +1,11 @@
-"""What two replicas of a layout say about the rank tensors they read.
+"""Relation layouts as terms: what a placement denotes, and what two replicas of a layout
+say about the rank tensors they read.
+
+`placed_terms`: rank tensors placed along a mesh (each axis Shard, Replicate or Partial)
+make the term that concatenates the shards and sums (or takes the max or the mean of) the
+partial values, one term per choice of coordinates along the replicated axes (all of them
+must be equal). The interpreter, relating, the expectations and the oracles all read
+placements through it.
 
 A relation's `replicas` (refine.ir.graph.Relation) are more copies of its layout: the same
 expression over other ranks' tensors, equal in value to it. That makes two leaves equal as
@@ -7,14 +14,43 @@ determine their operands from their result (a concat of pieces of equal shapes, 
 transpose). Under a slice only the sliced region is known: `slice(w@0, 0, 0, 2)` and
 `slice(w@1, 0, 0, 2)` equal say nothing of the rows after 2, which each rank may use for
 something else (its own query heads next to a replicated KV head). Those equalities are
-kept as facts between the subterms, never as a union of the whole tensors.
+kept as facts between the subterms, never as a union of the whole tensors (`join_replicas`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
+from fractions import Fraction
 
-from refine.ir.term import Term
+from refine.ir.graph import Mesh, Placement
+from refine.ir.term import Term, cat, leaf, nary, scale
+
+
+def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...], mesh: Mesh) -> list[Term]:
+    """The tensor that rank tensors `name_at(r)` placed this way make: one term for each
+    choice of coordinates along the replicated axes (all of them must be equal)."""
+    rep_axes = [i for i, p in enumerate(placements) if p.kind == "replicate"]
+    out = []
+    for choice in itertools.product(*(range(mesh.axes[i][1]) for i in rep_axes)):
+        fixed = dict(zip(rep_axes, choice, strict=True))
+
+        def build(axis: int, coords: tuple[int, ...], fixed: dict[int, int] = fixed) -> Term:
+            if axis == len(mesh.axes):
+                return leaf(name_at(mesh.rank(coords)))
+            if axis in fixed:
+                return build(axis + 1, coords + (fixed[axis],))
+            p = placements[axis]
+            parts = [build(axis + 1, coords + (c,)) for c in range(mesh.axes[axis][1])]
+            if p.kind == "shard":
+                return cat(parts, p.dim)  # type: ignore[arg-type]
+            if p.reduce == "avg":  # the mean of the ranks' values (only the checker's default asks this)
+                return scale(nary("Sum", parts), Fraction(1, len(parts)))
+            return nary("Max" if p.reduce == "max" else "Sum", parts)
+
+        out.append(build(0, ()))
+    return out
+
 
 # ops whose result determines their operands, given the operands' shapes
 _INJECTIVE = frozenset({"cat", "view", "transpose"})

@@ -42,7 +42,7 @@ from refine.ir.graph import (
     case_symbols,
     tensor_name,
 )
-from refine.ir.layout import join_replicas
+from refine.ir.layout import join_replicas, placed_terms
 from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
@@ -664,8 +664,6 @@ def _define_groups(dist: Dist) -> list[tuple[list[Define], list[Relation]]]:
 
 def _define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[int, ...]
                      ) -> tuple[Define, str] | None:
-    from refine.relate.program import placed_terms  # relate is imported lazily here, as in audit
-
     by_leaf = {tensor_name(d.rank, d.input): d for d in dist.defines}
     # inputs no relation covers and no rank holds under their name (a KV cache the checked
     # output never reads) need no values here
@@ -732,8 +730,6 @@ class OutputCheck:
 def expected_terms(dist: Dist, output: str, rank_outputs: set[str]) -> list[Term]:
     """What the rank outputs must make for a sequential output: its explicit expectation,
     or a rank output of the same name replicated."""
-    from refine.relate.program import placed_terms
-
     for e in dist.expectations:
         if e.output == output and e.layout is not None:
             return list(e.layout)

@@ -50,6 +50,7 @@ from refine.frontends.graphfile import load_dist, read_json
 from refine.ir import sizes
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Mesh, Relation, TensorType, case_symbols, tensor_name
+from refine.ir.layout import placed_terms
 from refine.ir.term import LEAF_OPS, Term, cat, cat_parts, parse_layout
 from refine.ops.interp import (
     EvalError,
@@ -66,7 +67,6 @@ from refine.ops.interp import (
 from refine.ops.lower import normalize_attrs
 from refine.ops.registry import Registry, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
-from refine.relate.program import placed_terms
 
 Doc = dict[str, Any]
 REDUCING = ("all_reduce", "reduce_scatter")

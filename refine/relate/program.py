@@ -8,10 +8,8 @@ communication left, only equalities between rank tensors.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 from refine.ir.errors import InputError
@@ -26,8 +24,8 @@ from refine.ir.graph import (
     tensor_name,
     value_class,
 )
-from refine.ir.layout import join_replicas
-from refine.ir.term import OPAQUE, Term, cat, cat_parts, leaf, nary, scale
+from refine.ir.layout import join_replicas, placed_terms
+from refine.ir.term import OPAQUE, Term, cat, cat_parts, leaf, nary
 from refine.ops.lower import lower
 from refine.ops.registry import Registry, ShapeError
 from refine.relate.overlap import Read, conflict, reads, show_box
@@ -359,31 +357,6 @@ def _placed(rel: Relation, mesh: Mesh, prog: DistProgram) -> Term:
     for t in terms[1:]:
         _join(prog, terms[0], t)
     return terms[0]
-
-
-def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...], mesh: Mesh) -> list[Term]:
-    """The tensor that rank tensors `name_at(r)` placed this way make: one term for each
-    choice of coordinates along the replicated axes (all of them must be equal)."""
-    rep_axes = [i for i, p in enumerate(placements) if p.kind == "replicate"]
-    out = []
-    for choice in itertools.product(*(range(mesh.axes[i][1]) for i in rep_axes)):
-        fixed = dict(zip(rep_axes, choice, strict=True))
-
-        def build(axis: int, coords: tuple[int, ...], fixed: dict[int, int] = fixed) -> Term:
-            if axis == len(mesh.axes):
-                return leaf(name_at(mesh.rank(coords)))
-            if axis in fixed:
-                return build(axis + 1, coords + (fixed[axis],))
-            p = placements[axis]
-            parts = [build(axis + 1, coords + (c,)) for c in range(mesh.axes[axis][1])]
-            if p.kind == "shard":
-                return cat(parts, p.dim)  # type: ignore[arg-type]
-            if p.reduce == "avg":  # the mean of the ranks' values (only the checker's default asks this)
-                return scale(nary("Sum", parts), Fraction(1, len(parts)))
-            return nary("Max" if p.reduce == "max" else "Sum", parts)
-
-        out.append(build(0, ()))
-    return out
 
 
 def replica_equalities(prog: DistProgram, a: Term, b: Term, registry: Registry) -> None:
