@@ -15,13 +15,13 @@ from refine.ir.layout import placed_terms
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
-from refine.ops.schedule import ScheduleError, deadlock
+from refine.ops.schedule import ScheduleError, Stuck, deadlock
 from refine.prove.copies import join_copies
 from refine.prove.engine import Engine, frontier, infer, structural_ancestry
 from refine.prove.extra_rules import require_verified
 from refine.relate.program import DistProgram, build_program, seq_input_relations
 from refine.verdict.localize import localize
-from refine.verdict.report import OutputResult, Report, Stuck
+from refine.verdict.report import OutputResult, Report
 
 _ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
 EXPECT_HOPS = 8

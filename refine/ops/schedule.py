@@ -51,9 +51,22 @@ from typing import Any
 
 from refine.ir.graph import Graph, Node
 from refine.ops.registry import Registry
-from refine.verdict.report import Stuck
 
 Key = tuple[Any, ...]  # (group, k) for a collective, (("p2p", src, dst), j) for a send/recv
+
+
+@dataclass
+class Stuck:
+    """A rank that can never go on: the communication op it waits at, and for whom
+    (`deadlock`)."""
+
+    rank: int
+    node: str  # the rank node it waits at
+    op: str
+    source: str | None  # that node's source line
+    waits_at: str  # the op, its peer or group and its number there
+    waits_for: list[int]  # the ranks that never reach the matching op
+    because: str  # those ranks and where each waits instead
 
 
 @dataclass(frozen=True)

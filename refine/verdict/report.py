@@ -12,6 +12,8 @@ from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 
+from refine.ops.schedule import Stuck
+
 
 @dataclass
 class OutputResult:
@@ -44,20 +46,6 @@ class Culprit:
     rank_node: str | None = None  # the rank node that went wrong, when one is known
     rank_source: str | None = None  # its source line
     seq_source: str | None = None  # the sequential node's own line, when `source` is the rank line at fault
-
-
-@dataclass
-class Stuck:
-    """A rank that can never go on: the communication op it waits at, and for whom
-    (refine.ops.schedule)."""
-
-    rank: int
-    node: str  # the rank node it waits at
-    op: str
-    source: str | None  # that node's source line
-    waits_at: str  # the op, its peer or group and its number there
-    waits_for: list[int]  # the ranks that never reach the matching op
-    because: str  # those ranks and where each waits instead
 
 
 @dataclass
