@@ -20,6 +20,7 @@ from refine.prove.copies import join_copies
 from refine.prove.engine import Engine, frontier, infer, structural_ancestry
 from refine.prove.extra_rules import require_verified
 from refine.relate.program import DistProgram, build_program, seq_input_relations
+from refine.verdict.expect import expected_terms
 from refine.verdict.localize import localize
 from refine.verdict.report import OutputResult, Report
 
@@ -109,18 +110,16 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     for out in seq_core.outputs:
         rel = inf.relations[out.ref]
         ex = explicit.get(out.name)
-        if ex is not None and ex.layout is not None:
-            wanted = [_as_out(t) for t in ex.layout]
+        if ex is not None:
+            wanted = [_as_out(t) for t in expected_terms(dist, out.name)]
             compared.append(sorted({x for t in wanted for x in t.leaves()}))
-            expect = " and ".join(map(str, ex.layout))
-            names = {x.rpartition("@")[0] for t in ex.layout for x in t.leaves()}
-            local = names.pop() if len(names) == 1 else None  # the rank output it is expected at
-            results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
-        elif ex is not None:
-            local, pl = ex.local or out.name, ex.placements or ()
-            wanted = [_as_out(t) for t in placed_terms(lambda r, local=local: f"{local}@{r}", pl, dist.mesh)]
-            compared.append(sorted({x for t in wanted for x in t.leaves()}))
-            expect = f"{local} on every rank, placed [{', '.join(map(str, pl))}]"
+            if ex.layout is not None:
+                expect = " and ".join(map(str, ex.layout))
+                names = {x.rpartition("@")[0] for t in ex.layout for x in t.leaves()}
+                local = names.pop() if len(names) == 1 else None  # the rank output it is expected at
+            else:
+                local = ex.local or out.name
+                expect = f"{local} on every rank, placed [{', '.join(map(str, ex.placements or ()))}]"
             results.append(_explicit(out.name, out.role, rel, wanted, expect, local, prog, engine, registry))
         else:
             compared.append([tensor_name(r, out.name) for r in sorted(dist.ranks)

@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Any
 
 from refine import capture
-from refine.ops.interp import differential
+from refine.oracle.differential import differential
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 
@@ -34,5 +34,5 @@ def failing(report: Any) -> set[str]:
 
 
 def wrong_numerically(case: capture.Case) -> set[str]:
-    """Outputs that `refine.ops.interp.differential` finds wrong on random inputs."""
+    """Outputs that `refine.oracle.differential.differential` finds wrong on random inputs."""
     return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}

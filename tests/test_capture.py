@@ -1,6 +1,6 @@
 """Capture real PyTorch training steps (refine.frontends.capture) and check them end to end.
 
-Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
+Verdicts come from refine's checker; `refine.oracle.differential.differential` independently runs the
 captured programs (simulated collectives) to show each bug twin computes what it claims.
 """
 

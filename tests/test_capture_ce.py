@@ -21,19 +21,12 @@ from torch import nn
 from refine import capture
 from refine.frontends.capture import trace
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
-from refine.ops.interp import (
-    apply_op,
-    close,
-    eval_graph,
-    eval_ranks,
-    eval_term,
-    expected_terms,
-    random_inputs,
-)
+from refine.ops.interp import apply_op, close, eval_graph, eval_ranks, eval_term, random_inputs
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
 from refine.prove.engine import Engine
 from refine.prove.harness import Harness
+from refine.verdict.expect import expected_terms
 
 MODELS = Path(__file__).resolve().parent.parent / "models" / "capture"
 CE_PATH = MODELS / "vocab_ce.py"
@@ -46,7 +39,7 @@ CE = load_model("vocab_ce")
 def wrong_numerically(case: capture.Case, ignored: bool = True) -> set[str]:
     """Outputs whose rank values differ from the sequential ones, on random inputs whose
     targets (random classes) include ignored tokens when `ignored` (the random inputs of
-    `refine.ops.interp.differential` never pick ignore_index)."""
+    `refine.oracle.differential.differential` never pick ignore_index)."""
     reg = case.registry
     seq_in, rank_in = random_inputs(case.seq, case.dist, 3, reg)
     if ignored:

@@ -6,7 +6,7 @@ update, and a flash-style backward recomputes the blocks' probabilities from the
 log-sum-exp. The rules are `rules/lse.py`; the checker fuses softmax into its users
 (`Op.fuse`), since the ranks never hold softmax's value.
 
-`refine.ops.interp.differential` runs both programs (simulated collectives) to show the model
+`refine.oracle.differential.differential` runs both programs (simulated collectives) to show the model
 is right and each twin wrong exactly where expected. The steps over the fused softmax search
 most of each rank program (the merge lies ~20 ops downstream of the scores), yet their
 e-graphs stay near a thousand nodes: the correct case REFINES in ~12 s on 2 shared cores,

@@ -1,6 +1,6 @@
 """DTensor `parallelize_module` code captured and checked (refine.frontends.capture.dtensor): relations
 derived from placements, Colwise/Rowwise/SequenceParallel steps refine, bug twins do not,
-and `refine.ops.interp.differential` confirms each twin is numerically wrong where it should be."""
+and `refine.oracle.differential.differential` confirms each twin is numerically wrong where it should be."""
 
 from __future__ import annotations
 

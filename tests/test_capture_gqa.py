@@ -3,7 +3,7 @@ embeddings on sequence chunks at an offset (models/capture/rope_offset.py), capt
 checked end to end, forward and backward, with the pieces they need (rules/reduce.py's
 reductions over a size-1 dim, rules/reshape.py's `repeat`).
 
-Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
+Verdicts come from refine's checker; `refine.oracle.differential.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where the
 checker says.
 """

@@ -3,7 +3,7 @@ combine (models/capture/moe_ep.py), captured and checked end to end, and the MoE
 (rules/moe.py: top-k and sort as opaque consistent functions, scatter with values, accumulating
 scatter) it needs.
 
-Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
+Verdicts come from refine's checker; `refine.oracle.differential.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where expected.
 """
 

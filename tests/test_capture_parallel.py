@@ -9,7 +9,7 @@ Two hand-written torch.distributed programs in the style of models/capture/tp_ml
 - models/capture/fsdp_mlp.py: ZeRO-3, every parameter Shard(0), all-gathered forward, its
   gradient reduce-scattered with AVG backward; the batch is sharded. Twin: SUM, not AVG.
 
-Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
+Verdicts come from refine's checker; `refine.oracle.differential.differential` independently runs the
 captured programs (simulated collectives) to show each twin is wrong exactly where expected.
 """
 

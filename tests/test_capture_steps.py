@@ -2,7 +2,7 @@
 (the loop unrolled by the trace) and gradient clipping by the global norm (a TP model: the
 squared norms of sharded gradients all-reduced, replicated ones counted once).
 
-Verdicts come from refine's checker; `refine.ops.interp.differential` independently runs the
+Verdicts come from refine's checker; `refine.oracle.differential.differential` independently runs the
 captured programs (simulated collectives) to show each bug twin is wrong exactly where the
 checker says.
 """

@@ -12,8 +12,8 @@ from torch import nn
 from refine import capture
 from refine.frontends.capture import CaptureError
 from refine.ir.graph import TensorType
-from refine.ops.interp import differential
 from refine.ops.registry import ShapeError, load_registry
+from refine.oracle.differential import differential
 from refine.prove.harness import Harness
 
 REG = load_registry()

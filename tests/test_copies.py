@@ -18,8 +18,8 @@ import pytest
 from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
-from refine.ops.interp import differential
 from refine.ops.registry import load_registry
+from refine.oracle.differential import differential
 from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()

@@ -18,8 +18,9 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.term import LayoutSyntaxError, Term, leaf, parse_layout
-from refine.ops.interp import differential, random_inputs
+from refine.ops.interp import random_inputs
 from refine.ops.registry import load_registry
+from refine.oracle.differential import differential
 
 REG = load_registry()
 

@@ -15,16 +15,9 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Dist, Graph, Input, Mesh, Node, Output, Placement, Relation, TensorType
 from refine.ir.layout import placed_terms
 from refine.ir.term import Term, leaf, parse_layout
-from refine.ops.interp import (
-    audit,
-    close,
-    differential,
-    eval_graph,
-    eval_ranks,
-    eval_term,
-    random_inputs,
-)
+from refine.ops.interp import close, eval_graph, eval_ranks, eval_term, random_inputs
 from refine.ops.registry import load_registry
+from refine.oracle.differential import audit, differential
 from refine.relate.program import build_program
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -177,8 +170,8 @@ def test_differential_agrees_with_verdict(case: str) -> None:
 
 def test_audit_flags_a_wrong_relation() -> None:
     from refine.check import engine_for
-    from refine.ops.interp import audit_relations
     from refine.ops.lower import lower
+    from refine.oracle.differential import audit_relations
     from refine.prove.engine import infer
     from refine.relate.program import seq_input_relations
 

@@ -1,7 +1,7 @@
 """Backward patterns of distributed training, written with the ops a traced step produces
 (mm of permuted tensors, sum over dim lists, native_layer_norm's statistics, index_put,
 gather/scatter, ...). Each correct program refines; each one with a collective left out
-does not; every relation inferred on either holds numerically (refine.ops.interp.audit)."""
+does not; every relation inferred on either holds numerically (refine.oracle.differential.audit)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from refine.check import check
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
-from refine.ops.interp import audit, differential
 from refine.ops.registry import load_registry
+from refine.oracle.differential import audit, differential
 from refine.verdict.report import Report
 
 REG = load_registry()

@@ -27,9 +27,10 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc
 from refine.frontends.capture import aten
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
-from refine.ops.interp import audit, close, eval_graph
+from refine.ops.interp import close, eval_graph
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
+from refine.oracle.differential import audit
 
 REG = load_registry()
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "entangle"

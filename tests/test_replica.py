@@ -15,8 +15,9 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.layout import join_replicas
 from refine.ir.term import Term, leaf
-from refine.ops.interp import differential, random_inputs
+from refine.ops.interp import random_inputs
 from refine.ops.registry import load_registry
+from refine.oracle.differential import differential
 from refine.prove import engine as prove
 from refine.relate.program import build_program, seq_input_relations
 

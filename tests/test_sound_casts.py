@@ -24,8 +24,9 @@ from refine import capture
 from refine.cli import main
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Graph, Input, Node, Output, TensorType
-from refine.ops.interp import differential, eval_graph
+from refine.ops.interp import eval_graph
 from refine.ops.registry import load_registry
+from refine.oracle.differential import differential
 
 REG = load_registry()
 NARROW = ("int64", "int32", "int8", "uint8", "bool")

@@ -12,9 +12,10 @@ from refine.check import check, engine_for, is_symbolic
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir import sizes
-from refine.ops.interp import audit, instantiate, valuation
+from refine.ops.interp import instantiate, valuation
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
+from refine.oracle.differential import audit
 from refine.prove.engine import infer
 from refine.relate.program import build_program, seq_input_relations
 

@@ -2,19 +2,19 @@
 
 Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on CPU, with
 each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
-`refine.relate.program` matches them: the k-th collective of a group on each member, and sends and
-receives between a pair of ranks in program order; they run in an order the ranks' program
+`refine.relate.program` matches them: the k-th collective of a group on each member, and sends
+and receives between a pair of ranks in program order; they run in an order the ranks' program
 order allows (`refine.ops.schedule`), and a program that deadlocks is an `EvalError`.
 
 On top of the interpreter:
 
 - `random_inputs(seq, dist, seed)`: random sequential inputs and rank inputs consistent with
   the dist's input relations;
-- `differential(seq, dist)`: evaluate both sides and compare each sequential output to what
-  its expectation says the rank outputs hold (a TTrace-style differential test);
-- `audit(seq, dist)`: every relation `infer` returns must hold numerically.
+- `define_conflict(seq, dist, registry)`: a define that contradicts the relations, which the
+  loader refuses.
 
-Symbolic sizes are evaluated at a valuation of their symbols (`instantiate`).
+Symbolic sizes are evaluated at a valuation of their symbols (`instantiate`). The oracles
+that run both programs and compare them are in `refine.oracle.differential`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import random
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -39,7 +39,6 @@ from refine.ir.graph import (
     Placement,
     Relation,
     TensorType,
-    case_symbols,
     tensor_name,
 )
 from refine.ir.layout import join_replicas, placed_terms
@@ -716,105 +715,6 @@ def _define_conflict(seq: Graph, dist: Dist, registry: Registry, seeds: tuple[in
 
 
 # ---------------------------------------------------------------------------------------
-# Differential test and relation audit
-
-
-@dataclass
-class OutputCheck:
-    output: str
-    ok: bool | None  # None: no expectation to compare with
-    error: float
-    detail: str = ""
-
-
-def expected_terms(dist: Dist, output: str, rank_outputs: set[str]) -> list[Term]:
-    """What the rank outputs must make for a sequential output: its explicit expectation,
-    or a rank output of the same name replicated."""
-    for e in dist.expectations:
-        if e.output == output and e.layout is not None:
-            return list(e.layout)
-        if e.output == output:
-            local = e.local or output
-            return placed_terms(lambda r, local=local: f"{local}@{r}", e.placements or (), dist.mesh)
-    if all(f"{output}@{r}" in rank_outputs for r in dist.ranks):
-        rep = tuple(Placement("replicate") for _ in dist.mesh.axes)
-        return placed_terms(lambda r: f"{output}@{r}", rep, dist.mesh)
-    return []
-
-
-def differential(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 0,
-                 int_bound: int | None = None) -> list[OutputCheck]:
-    """Run both sides on random consistent inputs; compare each sequential output with the
-    rank outputs its expectation names (every replica)."""
-    registry = registry or load_registry()
-    symbols = case_symbols(seq, dist)
-    if symbols:
-        seq, dist = instantiate(seq, dist, valuation(symbols, seed))
-    seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
-    seq_vals = eval_graph(seq, registry, seq_in)
-    rank_vals = eval_ranks(dist.ranks, registry, rank_in)
-    outs: dict[str, Tensor] = {}
-    for r, g in dist.ranks.items():
-        for o in g.outputs:
-            outs[f"{o.name}@{r}"] = rank_vals[r][o.ref]
-    results = []
-    for o in seq.outputs:
-        want = seq_vals[o.ref]
-        terms = expected_terms(dist, o.name, set(outs))
-        if not terms:
-            results.append(OutputCheck(o.name, None, math.nan, "no expectation"))
-            continue
-        errs = []
-        ok = True
-        for t in terms:
-            try:
-                got = eval_term(t, registry, outs)
-            except Exception:  # noqa: BLE001 - an ill-shaped placement is a mismatch
-                ok = False
-                errs.append(math.inf)
-                continue
-            errs.append(max_err(got, want))
-            ok = ok and close(got, want)
-        results.append(OutputCheck(o.name, ok, max(errs), "" if ok else f"max error {max(errs):.3g}"))
-    return results
-
-
-@dataclass
-class Mismatch:
-    tensor: str  # sequential core tensor
-    relation: str
-    error: float
-    detail: str = ""
-
-
-def audit(seq: Graph, dist: Dist, registry: Registry | None = None, seed: int = 0,
-          int_bound: int | None = None) -> list[Mismatch]:
-    """Infer every sequential core tensor's relation, then check each one numerically
-    against the sequential value on random consistent inputs (with symbolic sizes: at a
-    random valuation of the symbols, the relations inferred once for all of them)."""
-    from refine.check import case_features, engine_for, is_symbolic
-    from refine.prove.engine import infer
-    from refine.relate.program import build_program, seq_input_relations
-
-    registry = registry or load_registry()
-    seq_core, _ = lower(seq, registry)
-    prog, cores = build_program(dist, registry, "dist")
-    inputs = seq_input_relations(dist, seq, prog, registry, "dist")
-    symbolic = is_symbolic(seq, dist)
-    inf = infer(seq_core, inputs, prog, engine_for(registry, symbolic, case_features(dist)), registry)
-    relations = inf.relations
-    if symbolic:
-        # evaluate the very core graphs the relations name, at the valuation (lowering the
-        # instantiated graphs may differ: a mean over a symbolic size lowers to `rmean`)
-        values = valuation(case_symbols(seq, dist), seed)
-        seq_core = instantiate_graph(seq_core, values)
-        cores = {r: instantiate_graph(c, values) for r, c in cores.items()}
-        seq, dist = instantiate(seq, dist, values)
-        relations = {k: instantiate_term(t, values) for k, t in relations.items()}
-    return audit_relations(seq, dist, relations, prog, cores, registry, seed, int_bound, seq_core)
-
-
-# ---------------------------------------------------------------------------------------
 # Symbolic sizes at a valuation
 
 
@@ -860,35 +760,3 @@ def instantiate(seq: Graph, dist: Dist, values: Mapping[str, int]) -> tuple[Grap
             for r in dist.relations]
     ranks = {r: instantiate_graph(g, values) for r, g in dist.ranks.items()}
     return instantiate_graph(seq, values), Dist(dist.mesh, ranks, rels, list(dist.expectations), list(dist.defines))
-
-
-def audit_relations(seq: Graph, dist: Dist, relations: Mapping[str, Term], prog: Any, cores: Mapping[int, Graph],
-                    registry: Registry, seed: int = 0, int_bound: int | None = None,
-                    seq_core: Graph | None = None) -> list[Mismatch]:
-    if seq_core is None:
-        seq_core, _ = lower(seq, registry)
-    seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
-    seq_vals = eval_graph(seq_core, registry, seq_in)
-    rank_vals = eval_ranks(cores, registry, rank_in)
-    flat = {tensor_name(r, k): v for r, vals in rank_vals.items() for k, v in vals.items()}
-
-    def leaf_value(name: str) -> Tensor:
-        if name in flat:
-            return flat[name]
-        if name in prog.outputs:  # an `Out` leaf
-            return flat[prog.outputs[name]]
-        raise EvalError(f"no rank tensor {name!r}")
-
-    out = []
-    cache: dict[Term, Tensor] = {}
-    for name, rel in relations.items():
-        want = seq_vals[name]
-        try:
-            got = eval_term(rel, registry, leaf_value, cache, opaque=seq_vals)
-        except Exception as e:  # noqa: BLE001 - an unevaluable relation is a mismatch
-            out.append(Mismatch(name, str(rel), math.inf, f"cannot evaluate: {e}"))
-            continue
-        if not close(got, want):
-            out.append(Mismatch(name, str(rel), max_err(got, want),
-                                f"shape {list(got.shape)} vs {list(want.shape)}"))
-    return out

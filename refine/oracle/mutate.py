@@ -56,17 +56,17 @@ from refine.ops.interp import (
     EvalError,
     Tensor,
     close,
-    differential,
     eval_graph,
     eval_ranks,
     eval_term,
-    expected_terms,
     max_err,
     random_inputs,
 )
 from refine.ops.lower import normalize_attrs
 from refine.ops.registry import Registry, load_registry
 from refine.ops.schedule import ScheduleError, deadlock
+from refine.oracle.differential import differential
+from refine.verdict.expect import expected_terms
 
 Doc = dict[str, Any]
 REDUCING = ("all_reduce", "reduce_scatter")

@@ -29,12 +29,12 @@ from refine.ops.interp import (
     eval_graph,
     eval_ranks,
     eval_term,
-    expected_terms,
     instantiate,
     random_inputs,
     valuation,
 )
 from refine.ops.registry import Registry
+from refine.verdict.expect import expected_terms
 
 MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)
 REDUCTIONS = ("all_reduce", "reduce_scatter")
