@@ -45,8 +45,8 @@ from refine.ops.registry import (
     end_of_atom,
 )
 from refine.prove.egg import bindings
-from refine.prove.reuse import Premises, Replayer
-from refine.relate.program import DistProgram, term_type
+from refine.prove.reuse import Premises, Replayer, StepResult
+from refine.relate.program import DistProgram, join_congruent, term_type
 
 CLEAN_OPS = {"D", "Out"}
 ITERATIONS = 14
@@ -112,24 +112,6 @@ class ShapeConflict(RuntimeError):
 PARSE_CACHE = 50_000  # parsed statements kept (Engine._parse)
 GRAPHS = 48  # e-graphs kept, each declaring the rules some steps can use (Engine._graph)
 GRAPH_SLACK = 32  # a step runs on a kept e-graph with up to twice its rules and this many more
-
-
-@dataclass
-class StepResult:
-    best: Term
-    cost: int
-    found: list[str]
-    checks: list[bool]
-    seconds: float
-    premises: Premises | None = None  # what the step's e-graph was told (refine.prove.reuse replays it)
-    # rank tensors the step proved equal to a tensor its best term names: the ranks' own
-    # name for a piece may be another than the one extracted (a rank recomputing a mask)
-    same: list[tuple[str, str]] = field(default_factory=list)
-    bounded: bool = False  # its e-graph stopped at NODE_BUDGET / MATCH_BUDGET: a proof may be missing
-
-    @property
-    def clean(self) -> bool:
-        return self.cost < COMPUTE
 
 
 @dataclass
@@ -866,10 +848,6 @@ def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry
     Candidates are the same program position on the two ranks of a fact, a slice within
     `FACT_DEPTH` uses; each is proven by an e-graph over both definitions back to the facts'
     leaves, and joins `prog.same`. Returns how many joined."""
-    from refine.relate.program import (
-        join_congruent,  # relate imports nothing from here; keep it one-way
-    )
-
     pairs: set[tuple[str, str]] = set()
     for a, b in prog.facts:
         for x in a.leaves():

@@ -40,13 +40,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from refine.ir.term import OPAQUE, Term
+from refine.ops.registry import COMPUTE
 
 if TYPE_CHECKING:
-    from refine.prove.engine import StepResult
     from refine.relate.program import DistProgram
 
 CANDIDATES = 4  # earlier steps tried per key, most recent first
@@ -138,6 +138,28 @@ def _match(a: Term, b: Term, pi: dict[Name, str], ext: dict[Name, str]) -> bool:
     return True
 
 
+@dataclass
+class StepResult:
+    """What one step proved (`refine.prove.engine.Engine.step`): its cheapest term, the
+    rank tensors found equal to it and each check's outcome. Defined here, beside the
+    premises it keeps, because a replay makes one too."""
+
+    best: Term
+    cost: int
+    found: list[str]
+    checks: list[bool]
+    seconds: float
+    premises: Premises | None = None  # what the step's e-graph was told (what a replay checks)
+    # rank tensors the step proved equal to a tensor its best term names: the ranks' own
+    # name for a piece may be another than the one extracted (a rank recomputing a mask)
+    same: list[tuple[str, str]] = field(default_factory=list)
+    bounded: bool = False  # its e-graph stopped at the engine's NODE_BUDGET / MATCH_BUDGET: a proof may be missing
+
+    @property
+    def clean(self) -> bool:
+        return self.cost < COMPUTE
+
+
 class Replayer:
     """Earlier clean steps by the shape of their sequential term, and their replay."""
 
@@ -207,8 +229,6 @@ class Replayer:
     def replay(self, term: Term) -> StepResult | None:
         """A clean result for `term` renamed from an earlier step whose premises, renamed,
         are true here; None when there is none (the caller proves the node)."""
-        from refine.prove.engine import StepResult
-
         cands = self.memo.get(self.key(term))
         if not cands or "D" not in term.ops():
             # a constant term's step finds the rank constants near this node (they join its
