@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch._decomp import core_aten_decompositions
 
+from refine.frontends.capture.errors import CaptureError
 from refine.frontends.capture.foreach import FOREACH_DECOMPOSITIONS
-
-if TYPE_CHECKING:
-    from refine.frontends.capture.convert import Emitter
+from refine.ir.graph import Arg, TensorType
 
 DECOMPOSITIONS = core_aten_decompositions()
 DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)  # foreach ops: one op per tensor (refine.frontends.capture.foreach)
@@ -123,24 +122,44 @@ def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
 # Special ops. A handler gets the emitter, the FX node, its bound arguments and (for ops
 # with several outputs) the index of the output wanted; it returns the refine ref.
 
+class EmitterAPI(Protocol):
+    """What a handler may ask of the translation it runs in: the part of
+    `refine.frontends.capture.convert.Emitter` the handlers here use."""
+
+    fills: dict[str, float]  # refine refs known to be one value repeated
+
+    def cached(self, key: Any, make: Any) -> Any: ...
+
+    def fail(self, message: str) -> CaptureError: ...
+
+    def dtype(self, dt: Any) -> str: ...
+
+    def type(self, ref: Arg) -> TensorType: ...
+
+    def value(self, a: Any) -> Arg: ...
+
+    def emit(self, op: str, args: list[Arg], attrs: dict[str, Any], *, final: bool = True,
+             index: int | None = None, suffix: str = "", dtype: str | None = None, val: Any = None) -> str: ...
+
+
 Handler = Callable[..., Any]
 
 
-def _out_shape(em: Emitter, node: Any, index: int | None = None) -> tuple[int, ...]:
+def _out_shape(em: EmitterAPI, node: Any, index: int | None = None) -> tuple[int, ...]:
     val = node.meta["val"]
     if index is not None:
         val = val[index]
     return tuple(int(s) for s in val.shape)
 
 
-def _out_dtype(em: Emitter, node: Any, index: int | None = None) -> str:
+def _out_dtype(em: EmitterAPI, node: Any, index: int | None = None) -> str:
     val = node.meta["val"]
     if index is not None:
         val = val[index]
     return em.dtype(val.dtype)
 
 
-def _full(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _full(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """full / full_like / zeros / ones / scalar_tensor: a constant of the traced shape."""
     name = base_name(node.target)
     value = {"zeros": 0.0, "zeros_like": 0.0, "new_zeros": 0.0, "zero": 0.0, "ones": 1.0, "ones_like": 1.0,
@@ -152,7 +171,7 @@ def _full(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("full", [], {"value": float(value), "shape": list(_out_shape(em, node))})
 
 
-def _copy(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _copy(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """copy_(self, src): self's new value is src, broadcast to self's shape."""
     src = em.value(a["src"])
     if em.type(src).shape == _out_shape(em, node):
@@ -160,7 +179,7 @@ def _copy(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("expand_as_shape", [src], {"shape": list(_out_shape(em, node))})
 
 
-def _index_put(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """index_put(self, [index], values, accumulate): refine's takes one index tensor, over dim 0."""
     idx = a["indices"]
     if len(idx) != 1 or idx[0] is None:
@@ -169,7 +188,7 @@ def _index_put(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("index_put", args, {"accumulate": bool(a.get("accumulate", False))})
 
 
-def _index(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _index(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """index(self, [idx]): one index tensor over dim 0 is refine's index_rows (x[idx])."""
     idx = a["indices"]
     if len(idx) != 1 or idx[0] is None:
@@ -191,7 +210,7 @@ def _bounds(a: dict[str, Any], shape: tuple[int, ...]) -> tuple[int, int, int]:
     return d, start, max(start, min(n, end + n if end < 0 else end))
 
 
-def _slice(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _slice(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     x = em.value(a["self"])
     shape = em.type(x).shape
     d, start, end = _bounds(a, shape)
@@ -202,7 +221,7 @@ def _slice(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("slice", [x], {"dim": d, "start": start, "end": end})
 
 
-def _select(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _select(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     x = em.value(a["self"])
     shape = em.type(x).shape
     d = _dim(a["dim"], len(shape))
@@ -211,7 +230,7 @@ def _select(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("reshape", [s], {"shape": list(_out_shape(em, node))})
 
 
-def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _cat(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     xs = [em.value(t) for t in a["tensors"]]
     xs = [x for x in xs if em.type(x).shape != (0,)]  # torch.cat skips empty 1-d tensors
     d = _dim(a["dim"], len(em.type(xs[0]).shape))
@@ -220,7 +239,7 @@ def _cat(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("concat", xs, {"dim": d})
 
 
-def _stack(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _stack(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """stack(tensors, dim): each tensor with a size-1 dim inserted, concatenated along it."""
     xs = [em.value(t) for t in a["tensors"]]
     shape = list(em.type(xs[0]).shape)
@@ -232,7 +251,7 @@ def _stack(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("concat", parts, {"dim": d})
 
 
-def _split(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _split(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     """split / split_with_sizes / unbind: output `index` is a slice (unbind: then a reshape)."""
     x = em.value(a["self"])
     shape = em.type(x).shape
@@ -252,7 +271,7 @@ def _split(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
     return em.emit("slice", [x], {"dim": d, "start": start, "end": start + sizes[index]}, index=index)
 
 
-def _moments(em: Emitter, x: str, dims: list[int], correction: float = 0) -> tuple[str, str]:
+def _moments(em: EmitterAPI, x: str, dims: list[int], correction: float = 0) -> tuple[str, str]:
     """mean and variance of x over `dims`, kept; in refine ops."""
     shape = em.type(x).shape
     mean = em.emit("mean", [x], {"dim": dims, "keepdim": True}, final=False, suffix="mean")
@@ -265,7 +284,7 @@ def _moments(em: Emitter, x: str, dims: list[int], correction: float = 0) -> tup
     return mean, var
 
 
-def _native_layer_norm(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _native_layer_norm(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     """Output 0: refine's layer_norm; 1 and 2: the statistics its decomposed backward reads
     (mean and 1/sqrt(var + eps) over the normalized dims, kept)."""
     x = em.value(a["input"])
@@ -282,7 +301,7 @@ def _native_layer_norm(em: Emitter, node: Any, a: dict[str, Any], index: int) ->
     return em.emit(stat, [x], {"normalized_shape": ns, "eps": eps}, index=index)
 
 
-def _var_mean(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _var_mean(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     x = em.value(a["self"])
     ndim = len(em.type(x).shape)
     dims = list(range(ndim)) if not a.get("dim") else [_dim(d, ndim) for d in a["dim"]]
@@ -293,17 +312,17 @@ def _var_mean(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
                    index=index)
 
 
-def _max_dim(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _max_dim(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     if index != 0:
         raise em.fail("the indices output of max.dim (argmax): refine has no op for it")
     return em.emit("amax", [em.value(a["self"])], {"dim": [a["dim"]], "keepdim": bool(a["keepdim"])}, index=0)
 
 
-def _max(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _max(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     return em.emit("amax", [em.value(a["self"])], {})
 
 
-def _transpose(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _transpose(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     x = em.value(a["self"])
     ndim = len(em.type(x).shape)
     i, j = _dim(a["dim0"], ndim), _dim(a["dim1"], ndim)
@@ -312,7 +331,7 @@ def _transpose(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("transpose", [x], {"dim0": i, "dim1": j})
 
 
-def _constant_pad_nd(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _constant_pad_nd(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """constant_pad_nd(x, pad, value): per dim (pairs from the last dim) a slice for negative
     pads and a concat with `full` constants for positive ones (label shifting pads with -100)."""
     x = em.value(a["self"])
@@ -337,7 +356,7 @@ def _constant_pad_nd(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return x
 
 
-def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _slice_scatter(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """slice_scatter(x, src, dim, start, end): x with that slice replaced by src (the backward
     of a slice), as a concat of x's pieces around src."""
     x, src = em.value(a["self"]), em.value(a["src"])
@@ -364,7 +383,7 @@ def _slice_scatter(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return pieces[0] if len(pieces) == 1 else em.emit("concat", pieces, {"dim": d})
 
 
-def _topk(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _topk(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     """topk(x, k, dim, largest, sorted): output 0 the values, 1 the indices (rules/moe.py)."""
     if not a.get("largest", True) or not a.get("sorted", True):
         raise em.fail("topk with largest=False or sorted=False: refine's topk is the k largest, sorted")
@@ -373,7 +392,7 @@ def _topk(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
     return em.emit("topk_indices" if index else "topk_values", [x], attrs, index=index)
 
 
-def _sort(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _sort(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     """sort(x, stable=True, dim, descending=False): output 0 the values, 1 the permutation."""
     if not a.get("stable") or a.get("descending"):
         raise em.fail("sort without stable=True, or descending: the order of ties would be unspecified "
@@ -383,7 +402,7 @@ def _sort(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
     return em.emit("sort_indices" if index else "sort_values", [x], attrs, index=index)
 
 
-def _scatter_src(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _scatter_src(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """scatter.src(self, dim, index, src): refine's scatter_src (rules/moe.py)."""
     if a.get("reduce") is not None:
         raise em.fail(f"scatter with reduce={a['reduce']!r} is not supported")
@@ -392,24 +411,24 @@ def _scatter_src(em: Emitter, node: Any, a: dict[str, Any]) -> str:
     return em.emit("scatter_src", args, {"dim": _dim(a["dim"], len(em.type(x).shape))})
 
 
-def _nll_attrs(em: Emitter, a: dict[str, Any]) -> dict[str, Any]:
+def _nll_attrs(em: EmitterAPI, a: dict[str, Any]) -> dict[str, Any]:
     if a.get("weight") is not None:
         raise em.fail("nll_loss with class weights: refine's nll ops take none")
     return {"reduction": int(a["reduction"]), "ignore_index": int(a["ignore_index"])}
 
 
-def _nll_loss_forward(em: Emitter, node: Any, a: dict[str, Any], index: int) -> str:
+def _nll_loss_forward(em: EmitterAPI, node: Any, a: dict[str, Any], index: int) -> str:
     """Output 0: the loss; 1: the total weight (the count of targets not ignored)."""
     op = "nll_loss_forward" if index == 0 else "nll_loss_total_weight"
     return em.emit(op, [em.value(a["self"]), em.value(a["target"])], _nll_attrs(em, a), index=index)
 
 
-def _nll_loss_backward(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _nll_loss_backward(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     args = [em.value(a["grad_output"]), em.value(a["self"]), em.value(a["target"]), em.value(a["total_weight"])]
     return em.emit("nll_loss_backward", args, _nll_attrs(em, a))
 
 
-def _log_softmax_backward_data(em: Emitter, node: Any, a: dict[str, Any]) -> str:
+def _log_softmax_backward_data(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     out = em.value(a["output"])
     return em.emit("_log_softmax_backward_data", [em.value(a["grad_output"]), out],
                    {"dim": _dim(a["dim"], len(em.type(out).shape))})
