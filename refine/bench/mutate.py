@@ -143,7 +143,7 @@ def _write_case(case: Case, d: Path) -> None:
     elif case.kind == "built":
         {"dp_tp_stat": dp_tp_stat, "tp_mlp_bf16": tp_mlp_bf16}[case.source[0]](d)
     elif case.kind == "capture":
-        from refine import capture
+        from refine.frontends import capture
 
         module, kwargs = case.source
         spec = importlib.util.spec_from_file_location(f"capture_model_{module}", ROOT / "models" / "capture" / f"{module}.py")

@@ -129,10 +129,8 @@ def _made_by_template(registry: Registry, rule: Rule) -> str:
 @cache
 def refine_identity() -> str:
     """refine's own sources and the versions of what the harness evaluates with."""
-    import refine
-
     h = hashlib.sha256()
-    for root in (Path(refine.__file__).resolve().parent, builtin_rules_dir()):
+    for root in (Path(__file__).resolve().parents[1], builtin_rules_dir()):  # refine/, rules/
         for p in sorted(root.rglob("*.py")):
             if "__pycache__" in p.parts:
                 continue
