@@ -23,15 +23,6 @@ from refine.ops.registry import (
 )
 
 
-def _matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-    a, b = ins
-    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
-        raise ShapeError(f"matmul of {list(a.shape)} and {list(b.shape)}")
-    if b.ndim > 2 and a.shape[:-2] != b.shape[:-2]:
-        raise ShapeError(f"batched matmul of {list(a.shape)} and {list(b.shape)}: batch dims differ")
-    return TensorType(a.shape[:-1] + (b.shape[-1],), a.dtype)
-
-
 def _user_matmul_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     a, b = ins
     return TensorType(matmul_shape(a.shape, b.shape), a.dtype)

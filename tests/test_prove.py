@@ -63,15 +63,17 @@ def test_a_bug_in_a_repeated_layer_is_still_found(tmp_path: Path) -> None:
 
 
 def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step stopped early (prove.EARLY_STOP: a plain best term that no longer gets cheaper)
+    """A step stopped early (prove.PATIENCE: a plain best term that no longer gets cheaper)
     proves what the whole iteration bound proves, with fewer rule matches: over 8 ranks
     (balanced concats of 8 pieces) the relations and the verdict are the same."""
     seq, dist = _stacked_tp_mlp(tmp_path, layers=2, world=8)
     registry = load_registry()
     seen = {}
     for early in (False, True):
-        monkeypatch.setattr(prove, "EARLY_STOP", early)
         engine = prove.Engine(registry)  # its own step cache: nothing reused across the modes
+        if not early:  # every step runs the whole iteration bound
+            saturate = engine._saturate
+            monkeypatch.setattr(engine, "_saturate", lambda iterations, early, eg, s=saturate: s(iterations, False, eg))
         monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), e=engine: e)
         report = check_files(seq, dist)
         assert report.refines, str(report)

@@ -230,16 +230,6 @@ def load_registry(extra_dirs: Iterable[Path | str] = ()) -> Registry:
 # Helpers for rule files: shape rules and rule constructors.
 
 
-def same_shape(arg: int = 0) -> ShapeFn:
-    def rule(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
-        shapes = {t.shape for t in ins}
-        if len(shapes) > 1:
-            raise ShapeError(f"operands must have one shape, got {[t.shape for t in ins]}")
-        return TensorType(ins[arg].shape, ins[arg].dtype)
-
-    return rule
-
-
 def broadcast_shapes(*shapes: tuple[Any, ...]) -> tuple[Any, ...]:
     """torch's broadcasting, for concrete and symbolic sizes: at each right-aligned dim the
     sizes other than 1 must be one size. A symbol is never assumed to be 1 (if it is, the

@@ -55,7 +55,6 @@ ITERATIONS = 14
 # once the e-graph is saturated: most steps are proven in a few iterations, and the rest of
 # the bound only grows the e-graph (most of a step's time). A step with checks
 # (expectations) runs the whole bound: what it must prove is not its cheapest term.
-EARLY_STOP = True
 PATIENCE = 3
 # An iteration with more rule matches than this that made the clean best term no cheaper
 # ends the step too, plain or not: each further one costs more (sums of eight micro-batch
@@ -269,7 +268,7 @@ class Engine:
         Leaf names only say which tensors are the same, so a step is run on its program
         with the names replaced by their order of appearance, and its result is kept under
         that text: a repeated layer (same ops, shapes and relations over other tensors) is
-        proven once and its result renamed, not recomputed. `early`: EARLY_STOP applies.
+        proven once and its result renamed, not recomputed. `early`: it may stop early (PATIENCE).
         `both`: the checks are put in the e-graph too, so rules rewrite them as well (an
         equality of two terms that each only reduce to a common form, refine.prove.copies);
         otherwise a check holds when saturation makes `seq`'s class reach it."""
@@ -327,7 +326,7 @@ class Engine:
         self._run("(push)", eg)
         try:
             self._run(program, eg)
-            fired, best_out, bounded = self._saturate(iterations, early=EARLY_STOP and early and not checks, eg=eg)
+            fired, best_out, bounded = self._saturate(iterations, early=early and not checks, eg=eg)
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
@@ -359,7 +358,7 @@ class Engine:
 
     def _saturate(self, iterations: int, early: bool,
                   eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest, bool]:
-        """Run up to `iterations` rule iterations (see EARLY_STOP and NODE_BUDGET); the
+        """Run up to `iterations` rule iterations (see PATIENCE and NODE_BUDGET); the
         rules' matches, the target's best term and whether the budget stopped it."""
         fired: Counter[str] = Counter()
         best, since, bounded = None, 0, False

@@ -44,7 +44,7 @@ from egglog import bindings
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, lit, parse_sexp, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
-from refine.ops.registry import Registry, Rule, ShapeError, compile_text, load_registry
+from refine.ops.registry import Registry, Rule, ShapeError, compile_text
 
 ITERATIONS = 3
 
@@ -1041,10 +1041,3 @@ def _decode(n: dict[str, Any], sort: str, nodes: dict[str, Any], value: Any) -> 
             return int(op)
         raise ValueError(f"cannot decode a PyObject value {op!r}")
     raise ValueError(f"cannot decode a {sort} value {op!r}")
-
-
-def check_all(registry: Registry | None = None, seed: int = 0, instances: int = 3,
-              only: Iterable[str] | None = None) -> tuple[Harness, list[RuleResult]]:
-    h = Harness(registry or load_registry(), seed, instances)
-    return h, h.run(only)
-

@@ -152,13 +152,6 @@ def _out_shape(em: EmitterAPI, node: Any, index: int | None = None) -> tuple[int
     return tuple(int(s) for s in val.shape)
 
 
-def _out_dtype(em: EmitterAPI, node: Any, index: int | None = None) -> str:
-    val = node.meta["val"]
-    if index is not None:
-        val = val[index]
-    return em.dtype(val.dtype)
-
-
 def _full(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """full / full_like / zeros / ones / scalar_tensor: a constant of the traced shape."""
     name = base_name(node.target)
