@@ -56,7 +56,7 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
               help="passed to FUNC as world_size= (or checked against its Spec)")
 @click.option("--check", "then_check", is_flag=True, help="check the captured pair right away")
 def capture_cmd(target: str, out: str, world_size: int | None, then_check: bool) -> None:
-    """Capture a PyTorch training step: FUNC returns a refine.frontends.capture.Spec (sequential step and
+    """Capture a PyTorch training step: FUNC returns a refine.capture.Spec (sequential step and
     per-rank steps); write OUT/seq.json and OUT/dist.json."""
     from refine.frontends.capture import CaptureError, Case, capture, load_target
 

@@ -400,7 +400,7 @@ def test_cli_errors_exit_2_and_write_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = CliRunner().invoke(main, ["capture", f"{case}:make_case", "--out", str(out)])
     assert result.exit_code == 2
-    assert "error:" in result.output and "must return a refine.frontends.capture.Spec" in result.output
+    assert "error:" in result.output and "must return a refine.capture.Spec" in result.output
     assert not out.exists()
     result = CliRunner().invoke(main, ["capture", f"{case}:nope", "--out", str(out)])
     assert result.exit_code == 2 and "has no function 'nope'" in result.output

@@ -950,9 +950,7 @@ def _check_defines(c: _Ctx, seq: Graph, dist: Dist, registry: Registry) -> None:
     that satisfy the relations, each defined rank input set from its define must leave
     every relation's value unchanged (a define that says a region is zero, or a copy of
     another head, where a relation reads real data from it, is refused)."""
-    from refine.ops.interp import (
-        define_conflict,  # imports torch: only a case with defines needs it
-    )
+    from refine.ops.interp import define_conflict  # imports torch: only a case with defines does
 
     bad = define_conflict(seq, dist, registry)
     if bad is not None:

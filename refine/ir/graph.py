@@ -172,7 +172,7 @@ class Relation:
     source: str
     local: str | None = None
     placements: tuple[Placement, ...] | None = None
-    layout: Any = None  # a refine.ir.term.Expr over rank tensors
+    layout: Any = None  # a refine.ir.term.Term over rank tensors
     replicas: tuple[Any, ...] = ()  # more layouts, each the first's structure over other ranks' inputs
     guessed: bool = False
     where: str = ""  # json path, for messages

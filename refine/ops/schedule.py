@@ -1,11 +1,12 @@
 """Program order: can the ranks run their collectives and sends/receives to the end?
 
-Matching (refine.relate.program, refine.frontends.graphfile) pairs the k-th collective of a group on each member,
-and the j-th send from rank a to rank b with the j-th recv on b from a: pure data. This module
-checks the other half of a distributed program's meaning: that the order in which each rank
-issues those ops admits a run in which every rank finishes. A recv placed before the send
-that feeds its peer, or all-reduces over overlapping groups issued in an order that cycles
-across ranks, deadlock; such a program computes nothing, so it does not refine.
+Matching (refine.relate.program, refine.frontends.graphfile) pairs the k-th collective of a
+group on each member, and the j-th send from rank a to rank b with the j-th recv on b from a:
+pure data. This module checks the other half of a distributed program's meaning: that the
+order in which each rank issues those ops admits a run in which every rank finishes. A recv
+placed before the send that feeds its peer, or all-reduces over overlapping groups issued in
+an order that cycles across ranks, deadlock; such a program computes nothing, so it does not
+refine.
 
 The model (conservative: whatever it says finishes, finishes under any weaker semantics):
 

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 from refine.ir.graph import Dist, Graph, TensorType, tensor_name
 from refine.ir.lazy import torch
 from refine.ir.term import Term, cat, leaf
+from refine.prove.engine import Engine, _constant_closure, is_constant
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from refine.ops.registry import Registry
-    from refine.prove.engine import Engine
     from refine.relate.program import DistProgram
 
 REGION_DEPTH = 16  # uses after a copied weight that the search follows
@@ -216,8 +216,6 @@ class _Values:
 
     def _reads(self, name: str) -> list[str]:
         """The rank tensors `_value` reads, in the order it reads them."""
-        from refine.prove.engine import is_constant
-
         d = self.prog.defs.get(name)
         if name in self.defines or d is None or not (name in self.region or is_constant(self.prog, name)):
             return []
@@ -231,8 +229,6 @@ class _Values:
         return out
 
     def _value(self, name: str) -> Tensor:
-        from refine.prove.engine import is_constant
-
         d = self.prog.defs.get(name)
         if name in self.defines:  # a defined rank input: from the random sequential inputs
             term = self.defines[name]
@@ -338,8 +334,6 @@ def _prove(names: list[str], dim: int, cls: dict[Unit, Unit], prog: DistProgram,
 def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> list[str]:
     """Definitions back from `names` through the region, and OUTSIDE more beyond it,
     inputs first; constants with their closure."""
-    from refine.prove.engine import _constant_closure, is_constant
-
     out: list[str] = []
     seen: set[str] = set()
     # depth first, a tensor after what it reads: a walk (definitions chain deep in a region)

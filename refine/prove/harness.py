@@ -45,6 +45,7 @@ from refine.ir.graph import TensorType
 from refine.ir.term import Term, lit, parse_sexp, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
 from refine.ops.registry import Registry, Rule, ShapeError, compile_text
+from refine.prove.engine import Engine
 
 ITERATIONS = 3
 
@@ -682,8 +683,6 @@ class Harness:
     symbolic: bool = False  # compile the rules for PyObject sizes, as symbolic checks run them
 
     def __post_init__(self) -> None:
-        from refine.prove.engine import Engine
-
         reg = self.registry
         bare = replace(reg, rules=[], ops=dict(reg.ops), decls=list(reg.decls), families=list(reg.families))
         engine = Engine(bare, symbolic=self.symbolic)

@@ -153,7 +153,8 @@ class StepResult:
     # rank tensors the step proved equal to a tensor its best term names: the ranks' own
     # name for a piece may be another than the one extracted (a rank recomputing a mask)
     same: list[tuple[str, str]] = field(default_factory=list)
-    bounded: bool = False  # its e-graph stopped at the engine's NODE_BUDGET / MATCH_BUDGET: a proof may be missing
+    # its e-graph stopped at the engine's NODE_BUDGET / MATCH_BUDGET: a proof may be missing
+    bounded: bool = False
 
     @property
     def clean(self) -> bool:

@@ -74,7 +74,8 @@ class DistProgram:
     users: dict[str, list[str]] = field(default_factory=dict)
     outputs: dict[str, str] = field(default_factory=dict)  # "name@r" of a rank output -> tensor
     same: UnionFind = field(default_factory=UnionFind)
-    opaque: dict[str, TensorType] = field(default_factory=dict)  # unrelated sequential tensors (refine.ir.term.OPAQUE)
+    # unrelated sequential tensors (refine.ir.term.OPAQUE)
+    opaque: dict[str, TensorType] = field(default_factory=dict)
     constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.engine.is_constant
     # equalities of terms over rank inputs that hold of parts only (refine.ir.layout): a slice
     # of one rank's fused weight equal to the same slice of another's. A step whose e-graph

@@ -159,12 +159,10 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
 
 def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
                   prog: DistProgram) -> tuple[str, str, str, str] | None:
-    """`refine.verdict.factor.wrong_factor` for the failing outputs: (the rank node as the checker names
-    it, its source line, what the edit was, what was off), or None. A rank node the relations prove equal
-    to a sequential tensor is right, so its line is not edited."""
-    from refine.verdict.factor import (
-        wrong_factor,  # evaluates rank programs: imports torch, only here
-    )
+    """`refine.verdict.factor.wrong_factor` for the failing outputs: (the rank node as the
+    checker names it, its source line, what the edit was, what was off), or None. A rank node
+    the relations prove equal to a sequential tensor is right, so its line is not edited."""
+    from refine.verdict.factor import wrong_factor  # runs rank programs: imports torch, only here
 
     find = prog.same.find
     renames: dict[int, dict[str, str]] = {}

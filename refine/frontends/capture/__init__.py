@@ -10,8 +10,9 @@
 
 Rank code annotates its parameters and inputs once (`capture.shard(w, 0)`,
 `capture.replicate(...)`, `capture.partial(...)`, `capture.layout(...)`); anything not
-annotated is matched by name and its placement guessed from shapes. See refine.frontends.capture.case
-for the outputs and expectations, refine.frontends.capture.aten for the op mapping.
+annotated is matched by name and its placement guessed from shapes. See
+refine.frontends.capture.case for the outputs and expectations, refine.frontends.capture.aten
+for the op mapping.
 
 The module itself is callable: `capture(spec)` is `capture.capture(spec)`.
 """
@@ -70,7 +71,7 @@ def load_target(target: str, world_size: int | None = None) -> Spec | Case:
     except Exception as e:
         raise CaptureError(f"{target}: {type(e).__name__}: {e}", exception_source(e)) from e
     if not isinstance(result, (Spec, Case)):
-        raise CaptureError(f"{target} returned a {type(result).__name__}; it must return a refine.frontends.capture.Spec")
+        raise CaptureError(f"{target} returned a {type(result).__name__}; it must return a refine.capture.Spec")
     got = result.world_size if isinstance(result, Spec) else result.stats.get("ranks")
     if world_size is not None and got != world_size:
         raise CaptureError(f"{target} makes a case of {got} ranks, not {world_size} (and takes no world_size)")

@@ -32,7 +32,8 @@ from refine.frontends.capture.foreach import FOREACH_DECOMPOSITIONS
 from refine.ir.graph import Arg, TensorType
 
 DECOMPOSITIONS = core_aten_decompositions()
-DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)  # foreach ops: one op per tensor (refine.frontends.capture.foreach)
+# foreach ops: one op per tensor (refine.frontends.capture.foreach)
+DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)
 
 # aten base name -> refine op (same semantics, other name)
 ALIASES: dict[str, str] = {

@@ -46,6 +46,7 @@ from refine.frontends.capture.values import check_values, has_values
 from refine.frontends.graphfile import FORMAT, VERSION, load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph
+from refine.ops.interp import close, eval_graph, max_err
 from refine.ops.registry import Registry, load_registry
 from refine.verdict.report import Report
 
@@ -142,7 +143,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     input relations and the output expectations, and validate the pair with refine's loader."""
     t0 = time.perf_counter()
     if not isinstance(spec, Spec):
-        raise CaptureError(f"capture takes a refine.frontends.capture.Spec, got {type(spec).__name__}")
+        raise CaptureError(f"capture takes a refine.capture.Spec, got {type(spec).__name__}")
     registry = registry or load_registry()
     mesh = spec.axes()
     seq_step = spec.sequential if isinstance(spec.sequential, Step) else spec.sequential()
@@ -276,12 +277,12 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         shapes = {tuple(rank_inputs[r][local]["shape"]) for r in ranks}
         if len(shapes) != 1:
             raise CaptureError(f"{local!r} has shapes {sorted(map(list, shapes))} on different ranks: refine cannot "
-                               "guess its relation; annotate it (refine.frontends.capture.shard/replicate/layout)")
+                               "guess its relation; annotate it (refine.capture.shard/replicate/layout)")
         (shape,) = shapes
         pl, why = _guess(tuple(inp["shape"]), shape, mesh)
         if pl is None:
             raise CaptureError(f"cannot guess how {local!r} {list(shape)} on the ranks holds the sequential "
-                               f"{s!r} {list(inp['shape'])}: {why}; annotate it (refine.frontends.capture.shard/replicate/layout)")
+                               f"{s!r} {list(inp['shape'])}: {why}; annotate it (refine.capture.shard/replicate/layout)")
         desc = ", ".join(pl)
         guesses.append(f"{s}: [{desc}] ({why})")
         if any(p != "Replicate" for p in pl) or local != s:
@@ -400,8 +401,6 @@ def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: R
     """Evaluate the captured sequential graph with refine's interpreter on the model's own
     values and compare it with the step run eagerly (both in float64): a translation that
     changed what the step computes must never reach the checker."""
-    from refine.ops.interp import close, eval_graph, max_err
-
     shapes_only = [n for n, _, v in traced.inputs if not has_values(v)]
     if shapes_only:
         notes.append(f"not replayed eagerly: {', '.join(shapes_only[:3])}{' ...' if len(shapes_only) > 3 else ''} "

@@ -60,7 +60,7 @@ def derive(t: torch.Tensor, axis: str = "tp") -> Annotation | None:
         stride = getattr(t, "partition_stride", 1)
         if stride != 1:
             raise CaptureError(f"a Megatron parameter {list(t.shape)} has partition_stride={stride}: an interleaved "
-                               "layout refine does not derive; annotate it with refine.frontends.capture.layout")
+                               "layout refine does not derive; annotate it with refine.capture.layout")
         dim = getattr(t, "partition_dim", None)
         if not isinstance(dim, int) or dim < 0:
             raise CaptureError(f"a Megatron parameter {list(t.shape)} is tensor_model_parallel with partition_dim="

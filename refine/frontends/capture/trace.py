@@ -201,7 +201,7 @@ def trace_step(step: Step, where: str) -> Traced:
     from refine.frontends.capture.dtensor import Locals
 
     if not isinstance(step, Step):
-        raise CaptureError(f"{where}: expected a refine.frontends.capture.Step, got {type(step).__name__}")
+        raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
     model = step.model
     if not isinstance(model, nn.Module):
         raise CaptureError(f"{where}: Step.model must be a torch.nn.Module, got {type(model).__name__}")
@@ -217,7 +217,8 @@ def trace_step(step: Step, where: str) -> Traced:
     grads: list[str] = []
     no_grad: list[str] = []
     has_loss: list[bool] = []
-    local = Locals(params | buffers | inputs)  # DTensors are traced as local tensors (refine.frontends.capture.dtensor)
+    # DTensors are traced as local tensors (refine.frontends.capture.dtensor)
+    local = Locals(params | buffers | inputs)
 
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
         leaves = {n: local.rebuild(n, v).detach().requires_grad_(params[n].requires_grad)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from refine.frontends.capture.errors import CaptureError
 from refine.ir.graph import Dist, Graph, Mesh, Placement, Relation
+from refine.ir.term import show
 from refine.ops.interp import EvalError, canon, eval_term
 from refine.ops.registry import Registry
 
@@ -75,8 +76,6 @@ def check_values(seq: Graph, dist: Dist, registry: Registry, seq_vals: dict[str,
 
 def _describe(rel: Relation) -> str:
     if rel.layout is not None:
-        from refine.ir.term import show
-
         return "layout " + " = ".join(show(t) for t in (rel.layout, *rel.replicas))
     local = f" (rank input {rel.local!r})" if rel.local and rel.local != rel.source else ""
     return "[" + ", ".join(map(str, rel.placements or ())) + "]" + local
@@ -254,8 +253,6 @@ def _diagnose(r: int, got: Tensor, v: Tensor, placements: tuple[Placement, ...],
 
 
 def _check_layout(rel: Relation, v: Tensor, locals_: dict[tuple[str, int], Tensor], registry: Registry) -> str | None:
-    from refine.ir.term import show
-
     by_name = {f"{n}@{r}": t for (n, r), t in locals_.items()}
     eps = _eps(v, *locals_.values())
     scale = _scale(locals_.values())
