@@ -1,4 +1,36 @@
-"""The pipeline: load, lower, relate, infer, check expectations, localize."""
+"""The pipeline: load, lower, relate, infer, check expectations, localize.
+
+    from refine import check_files
+    report = check_files("seq.json", "dist.json")      # or check(seq, dist, registry)
+
+Expectations. An output with an explicit expectation must equal the rank outputs `local`
+placed by `placements` (every replica must hold it: a Replicate axis means each copy equals
+it, not one of them), or each `layout` over rank outputs `name@rank` (an output only some
+ranks make, such as the loss of the last pipeline stage: `{"output": "loss", "layout":
+["loss@2"]}`). An output without one:
+
+- made by every rank under its own name: it must be one of the standard placements of those
+  copies, each mesh axis Replicate, Shard(d), Partial(sum) or the ranks' mean (the first
+  that holds is reported). "Reconstructible somehow" is not enough: it would accept a loss
+  halved on every rank (`2 * y@0`), or one rank's right copy whatever the others hold;
+- made by some ranks only: it must be reconstructible from rank outputs by a clean relation.
+
+An expectation is met when the best term equals the expected one up to concat nesting and
+sum order (concat is associative, sums are unordered): a step's e-graph may hold
+`cat(a, cat(b, cat(c, d)))` while the expectation is built balanced. An expectation (or
+relation) a frontend wrote `"guessed": true` is listed in the report; so is a sequential
+input taken as replicated because every rank has an input of its name and shape.
+
+Opaque leaves. A node with no clean relation keeps its best term for the report, but its
+users see it as an opaque leaf `<name>` (never clean, no definition): what is proven over it
+holds whatever its value, and a buggy program's relations do not grow with every op after
+the bug.
+
+Nothing to check. When every output is an input, or a view or copy of one, on both sides,
+the check proves nothing about a computation: exit 2, "nothing to check" (an import without
+its relation file, say). When only some outputs pass inputs through, the report names them
+and the JSON marks them `"computed": false`.
+"""
 
 from __future__ import annotations
 

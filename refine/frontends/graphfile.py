@@ -1,15 +1,76 @@
 """Graph format v1: load and validate `seq.json` / `dist.json` (see schema/graph-v1.json).
 
+    registry = refine.ops.registry.load_registry()
+    seq = load_seq("seq.json", registry)
+    dist = load_dist("dist.json", registry, seq)
+
 Every problem is an `InputError` that names the file, the JSON path in it and the reason;
 the CLI turns it into exit code 2. The loader checks everything a later stage relies on
 (names, references, shapes against the ops' shape rules, collectives matched across ranks,
 relations and expectations against the shapes they place), so that no later stage meets
 bad input; the JSON Schema is documentation and a tool for editors, not what runs here.
+Refused among others: unknown fields, duplicate JSON keys, unknown ops or attributes,
+dangling references, nodes out of topological order, mismatched collectives across ranks,
+relations whose pieces do not make the sequential shape.
 
-A rank graph's node order is its program order for communication: the order in which the
-rank issues its collectives and sends/recvs. The k-th collective of a group on each member is
-one collective, the j-th send from a to b meets the j-th recv on b from a, and refine.ops.schedule
-checks that the ranks can run them in that order without deadlock (else DOES NOT REFINE).
+Documents. `{"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {...}}`
+and `{"format": ..., "kind": "distributed", "mesh": {"axes": [{"name", "size"}]}, "ranks":
+[{"rank": r, "graph": {...}}], "relations": [...], "expectations": [...]}`; optional
+`"symbols"` in either (refine.ir.sizes; the distributed file inherits the sequential file's,
+and redeclaring one differently is an error). A graph has `inputs` (name, shape, dtype,
+role: parameter / data / buffer), `nodes` in topological order (name, op, args, attrs,
+shape, dtype, source) and `outputs` (name, ref, role: loss / gradient with "of" /
+activation / other). `args` are names of inputs or earlier nodes, or number literals. Every
+node states its shape and dtype, which must agree with the op's shape rule.
+
+Names may hold any text but `@` (it separates a name from its rank) and half a UTF-16
+surrogate pair. They reach the e-graph only through one encoding (`refine.ir.term.quote`),
+so a name is data, never egglog syntax, and reports show it as written. In the relation
+language a name the plain form cannot spell is quoted JSON-style: `"attn out"@0`.
+
+Bounds: fewer than 2^62 elements per tensor (the e-graph multiplies sizes in 64 bits), at
+most 16 mesh axes and a graph for every rank, symbolic sizes that compare within 2^14
+expansion steps, layouts nested at most 32 calls, no NaN literal (it equals nothing),
+integers within 64 bits. Infinities are values (`-inf` masks). Loading is linear in the file.
+
+Value classes. Floating dtypes are one class (refine's values are reals); a cast that narrows
+the class (float to int truncates, anything to bool binarizes) is refused: in `cast`, in
+every op taking a `dtype` (`to_copy`, `clone`, ...) and in a node whose declared dtype
+narrows what torch would give. A bool made a number is `cast_float_t`; two bools add to
+their logical or. A fill holds what its dtype holds (2.5 in int64 is 2).
+
+Relations. `{"from": seq_input, "input": rank_input (default the same name), "placements":
+[...] or {axis: placement}}` with Replicate, Shard(d), Partial(sum), Partial(max); or
+`{"from": ..., "layout": expr}` in the relation language over rank inputs `name@rank`
+(`cat(..., dim=d)`, `slice(x, dim, start, end)`, `sum(...)`, `scale(x, 1/2)`,
+`view(x, [..])`, `transpose(x, i, j)`); or a list of such layouts, the same expression over
+other ranks' tensors of the same names (replicas: copies held whole by some ranks only, such
+as a pipeline's tied weight). A placed relation may say `"guessed": true` (capture writes it
+for placements inferred from names and shapes); the report lists it. Every piece of a
+relation must hold the sequential tensor's value class (float / int / bool; float precisions
+may differ). A rank element stands for one sequential element only: a layout reading a
+region twice (`cat(w@0, w@0)`, overlapping slices), two relations reading one rank tensor,
+replicas placing a piece elsewhere and a scale by 0 are refused (symbolic bounds by proof,
+`refine.relate.overlap`). Replicas at the same place and defines state such equalities and
+are allowed. A sequential input with no relation but a rank input of the same name and shape
+on every rank is taken as replicated, and the report flags the guess.
+
+Defines. `{"define": "w@5", "as": "cat(slice(w, 1, 1920, 2048), zeros([2048, 256]),
+dim=1)"}` gives a rank input in full over sequential inputs (bare names, the relation
+language plus `zeros([..])`): a zero-padded shard, or copies of a head. Relations say what
+the sequential inputs are; a part of a rank input no relation reads is otherwise free, so
+padding needs a define. Each is checked numerically against the relations: random inputs
+are drawn to satisfy the relations, one group of defines and relations sharing an input at
+a time, the defined inputs set from them, and every relation must keep its value, else exit
+2 naming the define's path. The prover is told each define as a fact over the inputs'
+relations (rules/pad.py drops a zero-padded part of a product's contraction dim). Concrete
+shapes only.
+
+Program order. A rank graph's node order is its program order for communication: the order
+in which the rank issues its collectives and sends/recvs. The k-th collective of a group on
+each member is one collective, the j-th send from a to b meets the j-th recv on b from a,
+and refine.ops.schedule checks that the ranks can run them in that order without deadlock
+(else DOES NOT REFINE); sends/recvs with the same `batch` attribute are posted together.
 Other nodes need only follow their inputs. The frontends keep that order: capture emits a
 rank's collectives in the order make_fx traced them (each after the nodes it reads), the
 Entangle importer translates a dump in its FX graph order (the order it was recorded in).

@@ -7,6 +7,30 @@ and a constant is always returned as an `int`, never as a Sym.
 
 Comparisons (`le`, `lt`, ...) are sound: True only when the fact holds for every valuation the
 atoms allow (a fast coefficient check, then Z3); anything unproven is False.
+
+Declaring (graph format v1): `"symbols": {"T": {"min": 1, "multiple_of": 2}, "H": {}}`; any
+size (a dim of a `shape`, an entry of a shape/reshape attribute, a slice bound) may be an
+expression over them with integers, `+ - *`, exact division `/` and parentheses (`"T/2"`).
+A verdict then holds for every value the declarations allow, and the report says so (`for
+every value of H >= 1; T >= 1, a multiple of 2`).
+
+How comparisons (`<=`, `<`, `!=`, divisibility) are proven: the fast check substitutes each
+atom by its least value plus a non-negative variable and asks for all coefficients
+non-negative; Z3 gets integer variables, the atoms' constraints and floors bounded exactly,
+with a 2 s timeout (`unknown` counts as not proven). The loader checks every shape rule,
+placement and collective with them: a slice in bounds for some values only, or a shard of a
+size not provably divisible by the ranks, is exit 2 naming the place.
+
+In rules, size arithmetic and tests are macros (`(d+ a b)`, `(d<= a b)`, `(d-divides k n)`,
+`(dim 0)`): with concrete shapes they compile to egglog's i64 primitives; with symbolic ones
+sizes are egglog PyObjects and the macros call this module, so a rewrite fires only when its
+side condition is proven for every value. The same rule text serves both modes.
+
+Limits: layout expressions take integer bounds only; defines need concrete shapes; the
+vocab-offset rules (rules/embedding.py, rules/masked_lookup.py) are concrete-only; a symbol
+is never assumed to be 1, so a symbolic size broadcasts only against itself or 1. Numeric
+checks (audits, differential runs) evaluate at sampled values of the symbols
+(`refine.ops.interp.instantiate`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,23 @@ the 1/n of an AVG reduction) is multiplied by `c` at every node that line makes 
 micro-batch, forward and backward), and the rank programs are evaluated on random inputs
 consistent with the input relations. The nearest such line to the failing outputs whose
 edit makes every output right is the culprit.
+
+How `c` is read: on those random inputs, as a least-squares ratio between each failing
+output and what its expectation wants, read as a rational with denominator up to 10^6 and
+checked elementwise. When the outputs are no multiple of what the ranks hold but some of
+their terms are (the relation and the rank output are weighted sums of the same tensors, and
+the terms weighted differently are all off by one `c`: micro-batch means added where the
+sequential mean halves each, next to a term that is right), the checker reads `c` off the
+relations instead (`wrong_factor(factor=...)`).
+
+Candidate lines, besides the literals above: a `full` constant other than 1, a `mean` (1 / its
+element count), or a SUM/AVG reduction whose flip multiplies by exactly `c`. Order: lines the
+edit turns into a scale by exactly 1 first (a division the program should not do at all: an
+AVG reduction could always absorb the same factor), then by distance in ops from the failing
+outputs. A line with a node the relations prove equal to a sequential tensor is never
+blamed: its value is right. At most `MAX_TRIES` edits, each one evaluation of the rank
+programs; deterministic (seed 0). When no single line's edit repairs every output, the
+culprit stays as localization found it.
 """
 
 from __future__ import annotations

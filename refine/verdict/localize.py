@@ -1,4 +1,32 @@
-"""Localization: which sequential node is the bug, and the smallest subgraph around it."""
+"""Localization: which sequential node is the bug, and the smallest subgraph around it.
+
+`localize(...)` runs inside `refine.check` when an output fails, and its `Culprit` is the
+report's. The culprit, among the ancestors of a failing output, in this order:
+
+1. the first node whose op a rank applies to the pieces of a partial sum in a way that is not
+   linear in them (each op declares `Op.linear`, which the suite checks numerically), making
+   a tensor that is no part of the node's value: a bias added before the all-reduce, a gelu
+   before the reduce-scatter, two partial sums multiplied; or a collective that sums copies
+   of one tensor. A received tensor (a pipeline `recv`) that a rank combines with the
+   tensors the sequential inputs relate to, when it is none of them, counts too: the rank
+   node named is that `send`, with its line;
+2. else the first node (topological order) with no clean relation, unless a failing output
+   whose relation is clean comes before it: that output is proven wrong there (a loss over
+   each rank's own tokens, before a backward pass the prover cannot follow);
+3. else the node that produces the failing output, and the rank node that makes the rank
+   output (a reduction with the wrong op, say);
+4. then, when every failing output is one constant `c != 1` times what its expectation
+   wants, the wrong-constant search of `refine.verdict.factor`; and when the node of rule 2
+   is over a fused value no rank holds (a global norm), the missing-reduction search of
+   `refine.verdict.missing_reduce`. Either names the rank line at fault as `source`,
+   `rank_node`, `rank_source`, and keeps the sequential node's own line as `seq_source`.
+
+Fused nodes (`Op.fuse`) and carried bool/int nodes (a mask every rank computes only for its
+own range) that a clean relation takes in are left out of the clean/unclean table, so
+localization names their users. The report shows the node's source line, its inputs'
+relations and the rank nodes that consume them; `refine.verdict.draw` turns the same data
+into a picture.
+"""
 
 from __future__ import annotations
 
