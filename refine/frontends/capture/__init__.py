@@ -15,6 +15,47 @@ refine.frontends.capture.case for the outputs and expectations, refine.frontends
 for the op mapping.
 
 The module itself is callable: `capture(spec)` is `capture.capture(spec)`.
+
+From the command line: `refine capture FILE.py:FUNC --out DIR [--world-size N] [--check]`,
+FUNC returning a Spec (or a captured Case). CPU only: no GPU and no real process group.
+Examples of every idiom: models/capture/*.py, each `make_case(world_size=..., bug=...)`.
+
+The step. `Step(model, step, inputs)`: `step(model, **inputs)` computes the loss, calls
+`loss.backward()`, does whatever gradient synchronisation the program does, and returns the
+loss (None on a pipeline stage that computes none). `Spec.rank(r)` runs inside rank r's fake
+process group (`dist.get_rank()`, `dist.new_group(...)` work, so subgroups of a dp x tp mesh
+resolve to global ranks); `Spec.mesh` names the axes (sizes multiply to world_size, ranks
+row-major).
+
+Tracing (refine.frontends.capture.trace): parameters and buffers become inputs named by their
+qualified names (`fc1.weight`); custom autograd Functions work. Collectives: the functional
+ones (`_c10d_functional.*`) and the legacy in-place `dist.*` ones; `dist.send`/`dist.recv`
+become the format's send/recv (recv fills a buffer and returns nothing: its later readers
+are rewired to the received tensor); sends/recvs of one `dist.batch_isend_irecv` call share
+a `batch`.
+
+Checked on the way: every node keeps its source (`file.py:line`, the innermost frame of user
+code; for backward nodes, the line that ran the op forward); the documents go through the
+same loader as hand-written ones; the sequential graph is replayed with refine's interpreter
+against the step run eagerly in float64, so a mistranslation cannot reach the checker; an
+in-place op whose tensor is read afterwards through an older view is refused (a read of the
+very tensor written, under another name such as `p.grad.data`, follows the write). An aten
+op refine cannot express is an error naming the op, the FX node and the user's line; no
+half-written case is ever left behind.
+
+Static shapes only: data-dependent sizes cannot be traced. Top-k routed MoE must use a
+static capacity (tokens in groups, S slots per expert per group, a stable sort for the
+permutation, `scatter_add` to unpermute; `all_to_all_single` then splits evenly); an
+unstable `sort`, `topk(largest=False)` or `scatter(reduce=...)` is refused (ties or
+reductions would be unspecified).
+
+Not covered: interleaved (virtual) pipeline stages and micro-batch schedules (1F1B);
+pipeline stages that are also tensor parallel (a tensor only some ranks hold must be held
+whole). `isend`/`irecv` count as blocking where issued (their waits are not traced).
+
+Framework glue: refine.frontends.capture.megatron (Megatron-core),
+refine.frontends.capture.dtensor (`parallelize_module`), refine.frontends.capture.hf
+(transformers' `tp_plan`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,15 @@ Each call returns its tensor. On a mesh of several axes say which axis; calls fo
 axes add up (axes not named are Replicate). `seq=` names the sequential input when the rank
 tensor is named differently. Tensors nobody annotates are matched by name and their
 placement is guessed from the shapes (and the guess is reported).
+
+The calls: `shard(t, dim, axis=None, *, seq=None)`, `replicate(t, axis=None, *, seq=None)`,
+`partial(t, reduce="sum", axis=None, *, seq=None)`, `layout(t, expr, *, seq=None)` (`expr` in
+the relation language over rank tensors `name@rank`); `t` is a tensor or its qualified name.
+The guess for an unannotated tensor: equal shapes are Replicate, one dim divided by a mesh
+axis's size is Shard on that axis. `refine capture` prints the guesses, the documents write
+them `"guessed": true`, and every report flags them. Frameworks register derivers
+(`DERIVERS`) that read their own marks (DTensor placements, Megatron's
+`tensor_model_parallel` attributes): those relations are derived, not guessed.
 """
 
 from __future__ import annotations

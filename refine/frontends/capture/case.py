@@ -8,12 +8,23 @@
     case.write("case/")             # case/seq.json, case/dist.json
 
 Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
-a gradient. Expectations: the loss is Replicate and equal to the sequential loss; each
-gradient is placed like its parameter. Input relations come from annotations
-(refine.frontends.capture.annotate), else from matching names and comparing shapes (guesses, reported);
-every relation is then checked against the values both sides hold (refine.frontends.capture.values):
-a contradiction is an error, a tensor without values (meta) leaves its relation unchecked,
-listed in `Case.unchecked` and in every report of the case.
+a gradient; a gradient missing on one side is an error. Expectations: the loss is Replicate
+and equal to the sequential loss (or, when only some ranks return a loss, a layout over those
+ranks' losses); each gradient is placed like its parameter (a DTensor parameter's: as the
+program's DTensor gradient is). A parameter only some ranks hold whole (a tied embedding on
+the first and last pipeline stage) is related to each copy by a list of replica layouts
+(matched by name and shape, so flagged as guessed), and its gradient must equal the
+sequential one on every rank holding it.
+
+Steps that call backward() several times (gradient accumulation) are unrolled: each backward
+is its own piece of the graph, and the `.grad` the step leaves is the sum of the
+micro-batches' gradients, which is what is checked.
+
+Input relations come from annotations (refine.frontends.capture.annotate), else from
+matching names and comparing shapes (guesses, reported); every relation is then checked
+against the values both sides hold (refine.frontends.capture.values): a contradiction is an
+error, a tensor without values (meta) leaves its relation unchecked, listed in
+`Case.unchecked` and in every report of the case.
 """
 
 from __future__ import annotations

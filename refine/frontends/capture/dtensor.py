@@ -1,22 +1,33 @@
 """DTensor (torch.distributed.tensor) support for capture: relations derived from placements.
 
 Code parallelized with `parallelize_module` (ColwiseParallel, RowwiseParallel,
-SequenceParallel, ...) holds its parameters as DTensors. Capture handles them so:
+SequenceParallel, ...) holds its parameters as DTensors.
 
-- **tracing** (`Locals`, used by refine.frontends.capture.trace): make_fx traces plain tensors, so the
-  traced function takes each DTensor's *local* tensor and rebuilds the DTensor inside with
-  `DTensor.from_local` (same mesh, placements, global shape and stride; no communication).
+Recipe: the rank factory builds a DeviceMesh inside the rank's fake process group
+(`init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))`, or `(dp, tp)` with names),
+deep-copies the sequential model and calls `parallelize_module`; the Spec's `mesh` names the
+same axes in the same order. Plain tensors (an unparallelized LayerNorm, the batch) need
+`capture.replicate(...)` / `shard(...)`. A DTensor loss must be Replicate.
+
+    refine capture models/capture/dtensor_mlp.py:make_case --out case/
+
+Capture handles DTensors so:
+
+- **tracing** (`Locals`, used by refine.frontends.capture.trace): make_fx traces plain tensors,
+  so the traced function takes each DTensor's *local* tensor and rebuilds the DTensor inside
+  with `DTensor.from_local` (same mesh, placements, global shape and stride; no communication).
   Parameters are rebuilt as DTensor leaves, as the program holds them, so their `.grad` is
   whatever DTensor the program's autograd produces; the traced function returns its local
-  tensor and `Locals.grad_annotations` records its placements. DTensor redistributions
-  appear as `_c10d_functional` collectives + `wait_tensor`.
-- **relations** (`derive`, registered in refine.frontends.capture.annotate.DERIVERS): a DTensor's
-  placements, per DeviceMesh dim, become the Annotation: Shard(d) -> Shard(d), Replicate ->
-  Replicate, Partial(sum|max) -> Partial(sum|max), on the refine mesh axis named like the
-  mesh dim. These are the program's own declarations, not guesses. The annotation also
-  carries the global ranks along each mesh dim through this rank, which refine.frontends.capture.case
-  compares with the Spec's mesh, so a DeviceMesh laid out differently from the Spec (another
-  axis order, a non-row-major mesh) is an error, not a wrong relation.
+  tensor and `Locals.grad_annotations` records its placements. DTensor redistributions appear
+  as `_c10d_functional` collectives + `wait_tensor`.
+- **relations** (`derive`, registered in refine.frontends.capture.annotate.DERIVERS): a
+  DTensor's placements, per DeviceMesh dim, become the Annotation: Shard(d) -> Shard(d),
+  Replicate -> Replicate, Partial(sum|max) -> Partial(sum|max), on the refine mesh axis named
+  like the mesh dim. These are the program's own declarations, not guesses. The annotation also
+  carries the global ranks along each mesh dim through this rank, which
+  refine.frontends.capture.case compares with the Spec's mesh, so a DeviceMesh laid out
+  differently from the Spec (another axis order, a non-row-major mesh) is an error, not a wrong
+  relation.
 - **gradient expectations**: the gradient of a DTensor parameter is expected placed as the
   DTensor autograd produced it. Usually that is the parameter's own placement (a
   ColwiseParallel weight's gradient is Shard(0)); where it is Partial (SequenceParallel
@@ -31,8 +42,14 @@ SequenceParallel, ...) holds its parameters as DTensors. Capture handles them so
   (`src_data_rank=None`), which is what the scatter gives when every rank holds the same full
   tensor (one checkpoint, one seed); the values are then checked against the sequential ones.
 
+DTensor's sharding-propagation caches are cleared before each rank: ranks are traced one
+after another in one process, and meshes of different ranks compare equal, so a cached plan
+would carry rank 0's coordinate into rank 1's trace.
+
 Refused (fail closed): _StridedShard and other placements refine has no counterpart for,
-Partial(avg) and other reduce ops, meshes without dim names on more than one dim.
+Partial(avg) and other reduce ops, meshes without dim names on more than one dim. Not
+supported: uneven shards (refine's Shard takes equal pieces); `loss_parallel` and async TP
+are not exercised.
 """
 
 from __future__ import annotations

@@ -15,6 +15,21 @@ shard, annotated with the placement transformers gave it (derived from the plan,
 guessed), and rebuilds the DTensor (`DTensor.from_local`) inside the module's forward, where
 make_fx traces it like any other op. This is the only DTensor-specific glue here: one
 parameter wrapper per planned module (`_LocalParams`), nothing else.
+
+Use: `tensor_parallel(model, mesh, plan=None, axis=None)` inside the rank factory (`mesh` a
+DeviceMesh made in the rank's fake process group); it applies the model's `tp_plan` (or `plan`)
+and returns the model with local-shard parameters annotated from the plan. Parameters and
+buffers outside the plan (embeddings, norms, rotary buffers) must be annotated Replicate by the
+case; only the step's inputs are matched by name. Example: models/capture/hf_llama.py (a
+1-layer LlamaForCausalLM, eager attention, its own causal-LM loss).
+
+`with float64_reference():` keeps float64 tensors float64 through transformers' deliberate
+float32 upcasts (RMSNorm, softmax, rotary, loss), so capture's float64 replay of the sequential
+graph compares like with like; the traced float32 run is unchanged.
+
+Nodes are reported at transformers' own lines (modeling_llama.py, tensor_parallel.py), not at
+the one user line that calls the model. DTensor's caches are cleared before each rank (see
+refine.frontends.capture.dtensor).
 """
 
 from __future__ import annotations

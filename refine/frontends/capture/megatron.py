@@ -22,6 +22,27 @@ Everything refine needs to trace Megatron code lives here, so a case only writes
 
 Megatron is imported lazily (only by the functions that run it): `import refine` never
 imports it, and the deriver works without it.
+
+Example (LayerNorm, ColumnParallelLinear(gather_output=False), gelu,
+RowParallelLinear(input_is_parallel=True), an MSE loss, backward and `finalize_model_grads`,
+with or without sequence_parallel):
+
+    refine capture models/capture/megatron_mlp.py:make_case --out case/
+    refine check case/seq.json case/dist.json
+
+Derived relations, in detail: ColumnParallelLinear's weight and bias are Shard(0),
+RowParallelLinear's weight Shard(1); LayerNorm weights and a row-parallel bias are
+Replicate. `partition_stride > 1` is refused (annotate a layout instead). Data inputs still
+need annotations (the token split under sequence parallelism: Megatron's `[s, b, h]`
+layout, Shard(0)).
+
+Under capture, refine traces with fresh leaves in place of the parameters; Megatron's marks
+are copied onto them, since `finalize_model_grads` selects parameters by
+`param.sequence_parallel`. `GlobalMemoryBuffer.get_tensor` allocates a fresh tensor per call:
+the backward's all-gather writing into the forward's storage through an older view is
+something capture refuses to follow. `finalize_model_grads(model)` wraps the model as one
+chunk with a DDP config and no data-parallel work (data-parallel size 1): Megatron's own
+DistributedDataParallel keeps its grad buffers on the GPU and is not supported.
 """
 
 from __future__ import annotations
