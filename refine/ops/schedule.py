@@ -10,8 +10,8 @@ refine.
 
 The model (conservative: whatever it says finishes, finishes under any weaker semantics):
 
-- A rank's program order is its graph's node order (refine.frontends.graphfile documents it): a rank
-  runs its nodes one after another. Compute nodes never wait; their inputs come earlier in
+- A rank's program order is its graph's node order (refine.frontends.graphfile documents it): a
+  rank runs its nodes one after another. Compute nodes never wait; their inputs come earlier in
   the order, so they are ready when the rank reaches them.
 - Every communication op is a rendezvous that blocks its rank until each member has reached
   the matching op: a collective (all_reduce, all_gather, reduce_scatter, all_to_all,
@@ -22,14 +22,15 @@ The model (conservative: whatever it says finishes, finishes under any weaker se
   issued in inconsistent orders can deadlock. A program that finishes with rendezvous sends
   finishes with buffered ones too (buffering only removes waits), so a run found here exists
   under either semantics.
-- `dist.isend`/`dist.irecv` trace as the same ops as `dist.send`/`dist.recv` and their
-  `wait()` is not in the graph: they are read as blocking at the point they are issued (the
-  earliest the wait can be, so again conservative). A batch (`batch_isend_irecv`, NCCL's
-  group calls) is a set of sends/recvs posted together: consecutive sends/recvs of a rank
-  with the same `batch` attribute are posted when the rank reaches the first, and the rank
-  continues when all of them have completed (waited at once, however late the program
-  waits). A send in a batch must not carry a value that
-  depends on a recv of the same batch (it is posted before that recv completes).
+- `dist.isend`/`dist.irecv` trace as the same ops as `dist.send`/`dist.recv` and their `wait()`
+  is not in the graph: they are read as blocking at the point they are issued (the earliest the
+  wait can be, so again conservative). So a ring written with every rank's `isend` first is
+  reported as a deadlock although it runs: post such rings with `dist.batch_isend_irecv`. A
+  batch (`batch_isend_irecv`, NCCL's group calls) is a set of sends/recvs posted together:
+  consecutive sends/recvs of a rank with the same `batch` attribute are posted when the rank
+  reaches the first, and the rank continues when all of them have completed (waited at once,
+  however late the program waits). A send in a batch must not carry a value that depends on a
+  recv of the same batch (it is posted before that recv completes).
 
 Why one greedy simulation decides it: an event (one matched op, seen from all its members)
 can fire once every member has posted it. Matching is fixed in advance (the k-th op of a

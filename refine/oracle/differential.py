@@ -7,6 +7,18 @@
   numerically against the sequential value (`audit_relations`).
 
 Symbolic sizes are evaluated at a random valuation of their symbols.
+
+    from refine.oracle.differential import differential
+    for c in differential(seq, dist):       # seq, dist from refine.frontends.graphfile
+        print(c.output, c.ok, c.detail)     # ok None: no expectation to compare with
+
+Both sides run in float64 with simulated collectives (refine.ops.interp). An output without an
+expectation is compared with each rank's copy of its name when every rank makes one (else `ok`
+is None). Use it to tell a real bug from an idiom the rules do not cover yet: a DOES NOT REFINE
+whose outputs are numerically right is incompleteness. Random inputs never pick a special value
+such as an `ignore_index`; to exercise one, draw inputs yourself
+(`refine.ops.interp.random_inputs`), set it, and run `eval_graph` / `eval_ranks`. A case above
+REFINE_EVAL_BUDGET is refused (EvalError) rather than run.
 """
 
 from __future__ import annotations

@@ -26,9 +26,19 @@ sorts it:
 - incomplete: DOES NOT REFINE (or exit 2) but numerically equal (the prover missed an equality);
 - UNSOUND: REFINES while numerically wrong, the one outcome that must never happen;
 - crashed: the check raised something other than a clean input error (a defect);
-- timeout: no verdict within the CPU time given to each check (`run(check_limit=...)`).
+- timeout: no verdict within the CPU time given to each check (`run(check_limit=...)`);
+- unjudged: a verdict only, the case being above the evaluation budget (REFINE_EVAL_BUDGET)
+  or run with `--no-eval`; a mutated node that reaches no rank output is neutral (or
+  incomplete) all the same, by construction.
 
-Deterministic given the seed. From the command line: `refine mutate SEQ DIST --count N --seed S`.
+"Numerically equal" means equal on `DRAWS` (4) draws of random inputs: one draw can hide a
+bug (a query scaled by 0.5 can leave some draws unchanged).
+
+Deterministic given the seed. From the command line: `refine mutate SEQ DIST --count N
+--seed S [--operator OP]... [--no-eval]`. It prints a note for every output without an
+expectation: the check only asks that such an output be placed in some standard way, so a
+bug the placement cannot tell (a loss scaled into a partial sum) can REFINE. The sweep over
+the bundled, captured and corpus cases is refine.bench.mutate (in `make bench`).
 """
 
 from __future__ import annotations
