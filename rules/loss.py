@@ -25,6 +25,18 @@ nested concats. (Indices must lie in [0, size): the sequential gather's own requ
 and `_log_softmax_backward_data`, for graphs that keep them (capture decomposes them into
 gather / where / scatter first): decompositions into core ops with ignore_index and
 reduction none / mean / sum; class weights are refused.
+
+**Limit of the vocab-parallel cross-entropy.** refine relates the programs node by node, so
+each step of the sequential decomposition of `F.cross_entropy` must be something the ranks
+hold (up to concats, sums and scales). Rank code that computes the nll and label-smoothing
+terms apart, masks and averages each as F.cross_entropy does, and whose backward goes
+through the gradient at the log-probs and its all-reduced sum over the vocab, refines
+(models/capture/vocab_ce.py). Megatron's fused forms compute the same values but not those
+intermediates: mixing the smoothing term in per token before masking
+(`vocab_ce.make_case(fused=True)`) is numerically right but DOES NOT REFINE; relating it
+needs a sequential node with no rank counterpart accepted when its users together have one.
+Megatron's backward `softmax - one_hot` (which uses `sum(grad) = -grad_scale`) has no rank
+tensor for the sequential gradient at the log-probs either.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ constants m and mx), and relate the results to the whole row:
 with `attn_c(s, v) = softmax(s, -1) @ v`. The sequential softmax is recognised in
 `matmul(softmax(s, -1), v)`, and its blocks in a flash-style backward's recomputed
 probabilities `exp(s_j - lse)`.
+
+Limits: non-causal attention only (a causal mask needs fully masked blocks skipped and their
+lse treated as -inf). The backward must form `P_j dP_j - P_j D` as torch's softmax backward
+decomposition does (flash's `D = rowsum(dO * O)` would need one more rule). Exercised on 2
+ranks (models/capture/cp_attention.py); more ranks nest the merge, and the search for each
+node's relation grows with it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Zero padding: a product over a zero-padded contraction dim is the product over its
 real part.
 
-A padded shard (a rank's weight whose last columns are zeros, stated by a `define`
-relation: README "Graph format v1") enters the e-graph as `cat(real, full(0.0))`. The
-padded columns still compute something on the rank (sigmoid(0) = 1/2, uniform attention
-weights for a zero query) that only vanishes where a product contracts it with the zero
-rows of the next padded weight:
+A padded shard (a rank's weight whose last columns are zeros, stated by a `define` relation:
+refine.frontends.graphfile, "Defines") enters the e-graph as `cat(real, full(0.0))`. The padded
+columns still compute something on the rank (sigmoid(0) = 1/2, uniform attention weights for a
+zero query) that only vanishes where a product contracts it with the zero rows of the next
+padded weight:
 
     a @ cat(p, 0) = a[..., :k] @ p          a @ cat(0, p) = a[..., k:] @ p     (rows of the right)
     cat(p, 0) @ b = p @ b[..., :k, :]       cat(0, p) @ b = p @ b[..., k:, :]  (columns of the left)

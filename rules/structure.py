@@ -2,7 +2,12 @@
 
 `cat` is binary; a concat of n pieces is a balanced tree of them (`refine.ir.term.cat`), so a
 rule that splits a tensor along a concat recurses on both sides and reaches the pieces in
-log2(n) rewrites; the rules work for any nesting and any number of ranks. `Sum` and `Max` take a multiset, so the order of terms never matters.
+log2(n) rewrites; the rules work for any nesting and any number of ranks. `Sum` and `Max`
+take a multiset, so the order of terms never matters.
+
+One limit: `sum-of-zero-padded` pairs a piece padded after with one padded before, so the
+ranks' slice gradients of a dense MoE router add up to the concat of their pieces on 2 ranks;
+more ranks (middle pieces padded on both sides) would need the same for nested concats.
 """
 
 from __future__ import annotations
