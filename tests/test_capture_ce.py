@@ -98,7 +98,7 @@ def test_without_smoothing_and_on_four_ranks(kw: dict[str, Any]) -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="node by node, the sequential nll masked on its own has no rank "
-                                        "counterpart when the step mixes the terms per token first (README)")
+                                        "counterpart when the step mixes the terms per token first (rules/loss.py)")
 def test_megatron_per_token_mix_refines(fused_case: capture.Case) -> None:
     report = fused_case.check()
     assert report.refines, report

@@ -388,7 +388,8 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
     QKV weight and the last rank's output projection and MLP weights are defines (zero
     padding, one KV head copy per local query head), and the loader checks them against
     the layouts. A define that puts other columns where a layout reads real ones
-    contradicts them: exit 2 at its path. (The check itself does not reach a verdict yet: README, aws_llama TP6.)"""
+    contradicts them: exit 2 at its path. (The check itself: test_aws_llama_tp6_refines below;
+    the case is told in the docstring of refine/prove/copies.py.)"""
     sys.path.insert(0, str(MODELS.parent))
     try:
         import make_aws_llama_tp6
@@ -417,7 +418,7 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
 @needs_corpus
 @SLOW
 def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
-    """TP6 one layer (README, aws_llama TP6): each rank's key and value heads are copies of
+    """TP6 one layer: each rank's key and value heads are copies of
     the KV heads its query heads read (the defines), found and proven by refine.prove.copies;
     the sequential repeat of the KV heads becomes a concat of broadcast heads
     (rules/repeat.py), which the ranks' 6-head blocks cut; rank 5's two real heads relate

@@ -161,7 +161,7 @@ def rank_step(model: VocabParallelLMHead, x: torch.Tensor, target: torch.Tensor,
 def make_case(world_size: int = 2, bug: str | None = None, label_smoothing: float = 0.1,
               fused: bool = False) -> capture.Spec:
     """`fused=True`: the step mixes the smoothing term in per token before masking, as
-    Megatron does (same values; refine does not relate it: see the README)."""
+    Megatron does (same values; refine does not relate it: see rules/loss.py)."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     torch.manual_seed(0)
