@@ -96,8 +96,8 @@ def import_group() -> None:
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="directory for seq.json and dist.json")
 @click.option("--relations", "relations", type=click.Path(dir_okay=False), default=None,
-              help="a relation file (fused layouts, placements, checked outputs): the README's CLI "
-                   "reference, in full `pydoc refine.frontends.importer.entangle`")
+              help="a relation file (fused layouts, placements, checked outputs); format: the README's "
+                   "CLI reference, in full `pydoc refine.frontends.importer.entangle`")
 @click.option("--direction", type=click.Choice(["fw", "bw", "both"]), default=None,
               help="which dumps to read when a directory holds several (default: both, else fw)")
 @click.option("--graph-id", "graph_id", type=click.IntRange(min=0), default=0, show_default=True,
