@@ -7,8 +7,8 @@ time, graph loading excluded"), peak RSS, time per node and, where the corpus RE
 publishes one, the original tool's time and the ratio of our inference CPU time to it.
 
 Each configuration runs in a child process (`python -m refine.bench.corpus --one ...`) so its
-peak RSS and CPU time are its own; a configuration that takes longer than --timeout seconds is recorded as
-such. Run by `make bench` (after the bundled examples), or alone:
+peak RSS and CPU time are its own; a configuration that takes longer than --timeout seconds is
+recorded as such. Run by `make bench` (after the bundled examples), or alone:
 
     python -m refine.bench.corpus [--only gpt/paral2_layer1 ...] [--timeout 600]
 """

@@ -1,9 +1,9 @@
 """`make bench`: loading at scale. Chain and tree graphs of 10^4, 10^5 and 10^6 nodes (per
 graph: the sequential one and each of two ranks') are written as JSON and loaded
-(`refine.frontends.graphfile.load_seq` / `load_dist`, every check the loader makes), each size in a
-subprocess of its own for its time and peak memory; the time per node shows whether loading
-is linear. A correct 10^4-node chain pair is then checked whole (`refine check`). Measured
-here, never asserted in tests; writes bench_load.md.
+(`refine.frontends.graphfile.load_seq` / `load_dist`, every check the loader makes), each size
+in a subprocess of its own for its time and peak memory; the time per node shows whether
+loading is linear. A correct 10^4-node chain pair is then checked whole (`refine check`).
+Measured here, never asserted in tests; writes bench_load.md.
 
     python -m refine.bench.load            # every size
     python -m refine.bench.load 10000      # some sizes

@@ -1,10 +1,10 @@
-"""Mutation sweep (refine/oracle/mutate.py) over the bundled examples (models/*, the correct ones),
-cases built or captured here (collectives of several groups, a pipeline's sends and recvs:
-what the order-swap operators need) and corpus cases: inject seeded bugs, check and (where
-the case is small enough to run in torch) evaluate each mutant, and write bench_mutate.md
-with the counts per operator and per case (caught / refused / neutral / incomplete /
-UNSOUND / crashed / timeout / unjudged) and the outcome of every mutant. Each check gets
-CHECK_LIMIT seconds of CPU (a "timeout" past it: no verdict, reported, not failing).
+"""Mutation sweep (refine/oracle/mutate.py) over the bundled examples (models/*, the correct
+ones), cases built or captured here (collectives of several groups, a pipeline's sends and
+recvs: what the order-swap operators need) and corpus cases: inject seeded bugs, check and
+(where the case is small enough to run in torch) evaluate each mutant, and write
+bench_mutate.md with the counts per operator and per case (caught / refused / neutral /
+incomplete / UNSOUND / crashed / timeout / unjudged) and the outcome of every mutant. Each
+check gets CHECK_LIMIT seconds of CPU (a "timeout" past it: no verdict, reported, not failing).
 
 Each case runs in a child process (its peak RSS and CPU time are its own), `--jobs` of them
 at a time but never two heavy ones (a corpus case evaluated in float64 holds GBs). Exit 1

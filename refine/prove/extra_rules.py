@@ -24,17 +24,17 @@ it (`--trust-rules`); the report then lists it under "unverified rules used", so
 verdict is visibly conditional.
 
 Cache: a verification is stored as one JSON file named by a SHA-256 key over the format,
-refine's own sources (the `refine` package and the built-in rules) and the versions of
-torch and egglog, the harness parameters, each extra directory's path and content digest
-(`refine.ops.registry.dir_digest`: every file under it) and the text of what it adds. A change to
-any of them verifies again. The directory is `$REFINE_CACHE_DIR`, else
+refine's own sources (the `refine` package and the built-in rules) and the versions of torch
+and egglog, the harness parameters, each extra directory's path and content digest
+(`refine.ops.registry.dir_digest`: every file under it) and the text of what it adds. A change
+to any of them verifies again. The directory is `$REFINE_CACHE_DIR`, else
 `$XDG_CACHE_HOME/refine`, else `~/.cache/refine` (entries in `verified-rules/`); writes are
-atomic (a temporary file renamed over). What the cache is trusted for: an entry is the
-outcome of a verification of exactly that content on this machine. Whoever can write the
-user's cache can also edit the rule files the user runs, so an entry is believed, but one
-that does not parse, names another key or fails its own checksum is ignored and the rules
-are verified again. Code the rule files import from outside their directory (other than
-refine) is not part of the key.
+atomic (a temporary file renamed over). What the cache is trusted for: an entry is the outcome
+of a verification of exactly that content on this machine. Whoever can write the user's cache
+can also edit the rule files the user runs, so an entry is believed, but one that does not
+parse, names another key or fails its own checksum is ignored and the rules are verified again.
+Code the rule files import from outside their directory (other than refine) is not part of the
+key.
 """
 
 from __future__ import annotations

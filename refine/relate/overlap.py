@@ -7,9 +7,9 @@ would hold only for sequential inputs whose elements agree there: the prover wou
 two independent inputs (or halves of one) as equal, and a verdict would cover only such
 inputs. Such relations are refused.
 
-A rank element may be read more than once for the same sequential element: the replicas
-of a relation (the same tensor held by other ranks, or the same rank's tensor read by each
-replica at the same place) state equalities of rank tensors only. A define (`refine.ir.graph.Define`)
+A rank element may be read more than once for the same sequential element: the replicas of a
+relation (the same tensor held by other ranks, or the same rank's tensor read by each replica
+at the same place) state equalities of rank tensors only. A define (`refine.ir.graph.Define`)
 gives a rank input from sequential inputs and may repeat a region of them (copies of a KV
 head): that also constrains the ranks only, and is not looked at here.
 

@@ -1,4 +1,4 @@
-"""An aten FX graph (refine.frontends.capture.trace) as a refine graph document (graph format v1).
+"""An aten FX graph (refine.frontends.capture.trace) as a document of graph format v1.
 
 Nodes are translated on demand, from the outputs and from every collective (a collective
 runs even when its result is unused, and the k-th collective of a group must stay the k-th:

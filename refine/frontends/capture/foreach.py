@@ -1,14 +1,14 @@
 """Foreach ops (`torch._foreach_*`) expanded at trace time into one aten op per tensor.
 
-`clip_grad_norm_` (and fused optimizers) call list-valued aten ops: `_foreach_norm` returns
-a list, `_foreach_mul_` mutates a list in place and returns nothing. Neither fits refine's
+`clip_grad_norm_` (and fused optimizers) call list-valued aten ops: `_foreach_norm` returns a
+list, `_foreach_mul_` mutates a list in place and returns nothing. Neither fits refine's
 one-node-per-tensor graphs, and an in-place list op returns no tensor whose later readers
 tracing could rewire, so the step's outputs would still name the tensors before the write.
 These decompositions run inside `make_fx`, so each per-tensor op they call (`mul_`,
 `linalg_vector_norm`) is traced like user code: an in-place `t.mul_(c)` gives `t`'s later
 readers its result. A foreach op not listed here stays in the graph and is refused: the
-converter knows no refine op for it, and `refine.frontends.capture.convert.check_mutations` refuses
-any read of a tensor a list op wrote.
+converter knows no refine op for it, and `refine.frontends.capture.convert.check_mutations`
+refuses any read of a tensor a list op wrote.
 """
 
 from __future__ import annotations

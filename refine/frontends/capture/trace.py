@@ -1,10 +1,10 @@
 """Trace one training step into an aten FX graph, with the user's source line on every node.
 
 The step runs under `make_fx` with fake tensors (so a branch on a tensor's value is an error,
-not a silently baked-in guess) and the decompositions of refine.frontends.capture.aten. Parameters
-and buffers become graph inputs: the module is re-parametrized with the traced tensors, the
-parameters as fresh leaves that require grad, so `loss.backward()` inside the step (custom
-autograd Functions included) fills their `.grad`, which the traced function returns.
+not a silently baked-in guess) and the decompositions of refine.frontends.capture.aten.
+Parameters and buffers become graph inputs: the module is re-parametrized with the traced
+tensors, the parameters as fresh leaves that require grad, so `loss.backward()` inside the step
+(custom autograd Functions included) fills their `.grad`, which the traced function returns.
 
 Distributed ranks are traced one at a time, each inside a fake process group
 (`fake_process_group`): collectives become graph nodes and compute nothing.
