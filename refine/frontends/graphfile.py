@@ -55,14 +55,16 @@ replicas placing a piece elsewhere and a scale by 0 are refused (symbolic bounds
 are allowed. A sequential input with no relation but a rank input of the same name and shape
 on every rank is taken as replicated, and the report flags the guess.
 
-Defines. `{"define": "w@5", "as": "cat(slice(w, 1, 1920, 2048), zeros([2048, 256]),
-dim=1)"}` gives a rank input in full over sequential inputs (bare names, the relation
-language plus `zeros([..])`): a zero-padded shard, or copies of a head. Relations say what
-the sequential inputs are; a part of a rank input no relation reads is otherwise free, so
-padding needs a define. Each is checked numerically against the relations: random inputs
-are drawn to satisfy the relations, one group of defines and relations sharing an input at
-a time, the defined inputs set from them, and every relation must keep its value, else exit
-2 naming the define's path. The prover is told each define as a fact over the inputs'
+Defines. A define gives a rank input in full over sequential inputs (bare names, the
+relation language plus `zeros([..])`): a zero-padded shard, or copies of a head,
+
+    {"define": "w@5", "as": "cat(slice(w, 1, 1920, 2048), zeros([2048, 256]), dim=1)"}
+
+Relations say what the sequential inputs are; a part of a rank input no relation reads is
+otherwise free, so padding needs a define. Each is checked numerically against the relations:
+random inputs are drawn to satisfy the relations, one group of defines and relations sharing an
+input at a time, the defined inputs set from them, and every relation must keep its value, else
+exit 2 naming the define's path. The prover is told each define as a fact over the inputs'
 relations (rules/pad.py drops a zero-padded part of a product's contraction dim). Concrete
 shapes only.
 

@@ -7,12 +7,12 @@ report's. The culprit, among the ancestors of a failing output, in this order:
    linear in them (each op declares `Op.linear`, which the suite checks numerically), making
    a tensor that is no part of the node's value: a bias added before the all-reduce, a gelu
    before the reduce-scatter, two partial sums multiplied; or a collective that sums copies
-   of one tensor. A received tensor (a pipeline `recv`) that a rank combines with the
-   tensors the sequential inputs relate to, when it is none of them, counts too: the rank
-   node named is that `send`, with its line;
+   of one tensor;
 2. else the first node (topological order) with no clean relation, unless a failing output
    whose relation is clean comes before it: that output is proven wrong there (a loss over
-   each rank's own tokens, before a backward pass the prover cannot follow);
+   each rank's own tokens, before a backward pass the prover cannot follow). When a rank
+   combines the tensors the node's inputs relate to with a received tensor (a pipeline
+   `recv`) that is none of them, the rank node named is that `send`, with its line;
 3. else the node that produces the failing output, and the rank node that makes the rank
    output (a reduction with the wrong op, say);
 4. then, when every failing output is one constant `c != 1` times what its expectation
