@@ -7,7 +7,6 @@ collectives, `refine.ops.interp`) to show each twin is wrong exactly where the c
 
 from __future__ import annotations
 
-import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -75,10 +74,8 @@ def fused_case() -> capture.Case:
 
 
 def test_vocab_parallel_ce_whole_step_refines(ce_case: capture.Case) -> None:
-    t0 = time.perf_counter()
     report = ce_case.check()
     assert report.refines, report
-    assert time.perf_counter() - t0 < 120  # ~10 s on 2 shared cores
     assert {o.name for o in report.outputs} == {"loss"} | GRADS
     assert wrong_numerically(ce_case) == set()
     rel = {r["from"]: r["placements"] for r in ce_case.dist_doc["relations"]}

@@ -99,7 +99,6 @@ def test_redistributions_are_functional_collectives(tp_case: capture.Case, sp_ca
 def test_tp_variant_refines(tp_case: capture.Case) -> None:
     report = tp_case.check()
     assert report.refines, report
-    assert tp_case.stats["seconds"] < 60
 
 
 def test_sp_variant_refines(sp_case: capture.Case) -> None:

@@ -63,7 +63,6 @@ def test_megatron_mlp_whole_step_refines(which: str, sp_case: capture.Case, no_s
     assert report.guesses == [] and case.guesses == []  # every relation derived or annotated
     (loss,) = [o for o in report.outputs if o.name == "loss"]
     assert loss.relation == "loss@0"  # Replicate: every rank holds the sequential loss
-    assert case.stats["seconds"] < 120, case.stats  # a few seconds on an idle machine
 
 
 @pytest.mark.parametrize("which", ["sp", "no_sp"])

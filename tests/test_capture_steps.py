@@ -9,7 +9,6 @@ checker says.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,14 +27,10 @@ ACCUM = load_model("accum_mlp")
 CLIP = load_model("clip_mlp")
 DP_GRADS = {f"{p}.grad" for p in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
 TP_GRADS = DP_GRADS | {"ln.weight.grad", "ln.bias.grad"}
-SECONDS: dict[str, float] = {}  # capture times, printed by test_capture_times
 
 
 def captured(module: ModuleType, **kw: Any) -> capture.Case:
-    t0 = time.perf_counter()
-    case = capture(module.make_case(**kw))
-    SECONDS[case.name] = round(time.perf_counter() - t0, 2)
-    return case
+    return capture(module.make_case(**kw))
 
 
 @pytest.fixture(scope="module")
@@ -151,11 +146,5 @@ def test_norm_not_all_reduced_is_found_at_the_norm() -> None:
     assert failing(report) == TP_GRADS
     assert report.culprit is not None, report
     assert report.culprit.source == line_of(MODELS / "clip_mlp.py", "total = torch.sqrt(sq_norm)"), report
-
-
-def test_capture_times() -> None:
-    """Capture time per case (seconds; printed with -s): every case above was captured."""
-    print("capture seconds:", SECONDS)
-    assert SECONDS and all(s > 0 for s in SECONDS.values())
 
 
