@@ -1,0 +1,292 @@
+"""The engine's egglog text as statements: its declarations cut into statements, what
+each rule reads and writes (`Declarations.closure`: the rules that can fire in a step's
+e-graph), and a step's program over canonical leaf names (`canonical`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from refine.ir.term import LEAF_OPS, OPAQUE, Term, quote, unquote
+from refine.ops.registry import end_of_atom
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
+_GAP = re.compile(r"(?:\s|;[^\n]*)*")
+
+
+def statements(text: str) -> list[str]:
+    """`text` cut into its top-level parenthesised statements; the whole text as one when
+    anything else stands between them (egglog then reports it)."""
+    out: list[str] = []
+    depth, start, end = 0, 0, 0
+    for m in _TOKEN.finditer(text):
+        tok = m.group()
+        if tok == "(":
+            if depth == 0:
+                if not _GAP.fullmatch(text, end, m.start()):
+                    return [text]
+                start = m.start()
+            depth += 1
+        elif tok == ")":
+            depth -= 1
+            if depth == 0:
+                out.append(text[start:m.end()])
+                end = m.end()
+            elif depth < 0:
+                return [text]
+    if depth or not _GAP.fullmatch(text, end):
+        return [text]
+    return out
+
+
+_RULE_HEADS = ("rule", "rewrite", "birewrite")
+_NAME = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s()";]+)')
+
+
+@dataclass(frozen=True)
+class Direction:
+    rule: int
+    needs: frozenset[str]  # the tables a match reads: a rule never fires while one is empty
+    makes: frozenset[str]  # the tables its actions may add to
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a step's e-graph must declare: the rules that can fire in it and every table
+    the program, those rules and the engine's own commands name."""
+
+    rules: frozenset[int]
+    tables: frozenset[str]
+
+    def within(self, other: Need) -> bool:
+        return self.rules <= other.rules and self.tables <= other.tables
+
+    @property
+    def size(self) -> int:
+        return len(self.rules) + len(self.tables)
+
+
+ENGINE_TABLES = frozenset({"Found", "Same", "Mark", "D", "Out", OPAQUE, "shape", "ShapeConflict"})  # named by Engine itself
+
+
+@dataclass
+class Declarations:
+    """The engine's declarations, cut into statements, and what each rule reads and
+    writes, to run a step with only the rules that can fire in it.
+
+    Why that changes nothing: a rule's query looks up every table at the head of one of
+    its atoms, so it has no match while one of them is empty; the tables a step's e-graph
+    can ever fill are those its program names and those the actions of rules that can
+    match write, a least fixpoint (`closure`). Every other rule never fires, and every
+    other table stays empty, in that e-graph as in one declaring everything; what is
+    declared keeps its order. Tables a declaration names (a merge calling another) count
+    as written with it, and tables other top-level statements name as always written."""
+
+    statements: list[tuple[str, int | None, str | None]]  # (text, its rule's index, the table it declares)
+    rules: list[str]
+    tables: frozenset[str]  # every constructor, function and relation
+    directions: list[Direction]
+    named: list[frozenset[str]]  # per rule, every table it names
+    waiting: dict[str, list[int]] = field(default_factory=dict)  # table -> directions that need it
+    deps: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> other tables its declaration names
+    always: frozenset[str] = frozenset()  # tables named by top-level statements other than rules and declarations
+    closures: dict[frozenset[str], Need] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, text: str) -> Declarations:
+        cut: list[tuple[str, int | None, str | None]] = []
+        rules: list[str] = []
+        parsed = []
+        tables: set[str] = set()
+        others: list[str] = []
+        for st in statements(text):
+            sx = sexp(st)
+            head = sx[0] if sx else None
+            if head in _RULE_HEADS:
+                cut.append((st, len(rules), None))
+                rules.append(st)
+                parsed.append(sx)
+            elif head in ("constructor", "function", "relation"):
+                cut.append((st, None, sx[1]))
+                tables.add(sx[1])
+            else:
+                cut.append((st, None, None))
+                others.append(st)
+        deps = {t: frozenset(names(st) & tables) - {t} for st, _, t in cut if t is not None}
+        always = frozenset(x for st in others for x in names(st) & tables)
+        dirs = [d for i, sx in enumerate(parsed) for d in directions(i, sx, tables)]
+        named = [frozenset(names(r) & tables) for r in rules]
+        waiting: dict[str, list[int]] = {}
+        for k, d in enumerate(dirs):
+            for t in d.needs:
+                waiting.setdefault(t, []).append(k)
+        return cls(cut, rules, frozenset(tables), dirs, named, waiting,
+                   {t: d for t, d in deps.items() if d}, always)
+
+    def everything(self) -> Need:
+        return Need(frozenset(range(len(self.rules))), self.tables)
+
+    def program(self, need: Need) -> list[str]:
+        return [st for st, i, t in self.statements if (i is None or i in need.rules) and (t is None or t in need.tables)]
+
+    def added(self, have: Need, need: Need) -> list[str]:
+        """The statements declaring what `need` has and `have` lacks, in their order."""
+        return [st for st, i, t in self.statements
+                if (i is not None and i in need.rules and i not in have.rules) or
+                (t is not None and t in need.tables and t not in have.tables)]
+
+    def closure(self, program: str) -> Need:
+        """The rules that can fire on an e-graph holding `program` and the tables they and
+        it name."""
+        have = frozenset(names(program) & self.tables)
+        hit = self.closures.get(have)
+        if hit is not None:
+            return hit
+        # a worklist: each table, once known, counts down the needs of the rules waiting on it
+        known = set(have | self.always)
+        todo = list(known)
+        left = [len(d.needs) for d in self.directions]
+        ready = [k for k, n in enumerate(left) if n == 0]
+        on: set[int] = set()
+        while ready or todo:
+            while ready:
+                d = self.directions[ready.pop()]
+                on.add(d.rule)
+                for t in d.makes - known:
+                    known.add(t)
+                    todo.append(t)
+            if todo:
+                t = todo.pop()
+                for u in self.deps.get(t, frozenset()) - known:
+                    known.add(u)
+                    todo.append(u)
+                for k in self.waiting.get(t, ()):
+                    left[k] -= 1
+                    if left[k] == 0:
+                        ready.append(k)
+        for i in on:
+            known |= self.named[i]
+        known |= ENGINE_TABLES & self.tables
+        todo = list(known)
+        while todo:  # what the declared tables' declarations name
+            for u in self.deps.get(todo.pop(), frozenset()) - known:
+                known.add(u)
+                todo.append(u)
+        need = Need(frozenset(on), frozenset(known))
+        self.closures[have] = need
+        return need
+
+
+def sexp(text: str) -> list:
+    """One s-expression as nested lists of atoms (strings keep their quotes)."""
+    stack: list[list] = [[]]
+    for m in _ATOM.finditer(text):
+        tok = m.group()
+        if tok.startswith(";"):
+            continue
+        if tok == "(":
+            stack.append([])
+        elif tok == ")":
+            done = stack.pop()
+            stack[-1].append(done)
+        else:
+            stack[-1].append(tok)
+    return stack[-1][0] if stack[-1] else []
+
+
+_ATOM = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]|[^\s()";]+')
+
+
+def heads(sx: object, tables: frozenset[str] | set[str]) -> set[str]:
+    """The tables `sx` looks up: the heads of its lists that are tables."""
+    out: set[str] = set()
+    todo = [sx]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, list):
+            if x and isinstance(x[0], str) and x[0] in tables:
+                out.add(x[0])
+            todo.extend(x)
+    return out
+
+
+def names(text: str) -> set[str]:
+    """Every atom and string of `text` (what it may name: a table, also through `unstable-fn`)."""
+    return {a or b for a, b in _NAME.findall(text)}
+
+
+def directions(i: int, sx: list, tables: set[str]) -> list[Direction]:
+    """A rule's query/actions, a rewrite's left side (and conditions)/right side, and a
+    birewrite's both ways. What a side writes counts every table it names at all."""
+    head, *rest = sx
+    opts = {rest[k]: rest[k + 1] for k in range(2, len(rest) - 1) if isinstance(rest[k], str) and rest[k].startswith(":")}
+    when = opts.get(":when", [])
+
+    def writes(x: object) -> frozenset[str]:
+        flat: list[str] = []
+        todo = [x]
+        while todo:
+            y = todo.pop()
+            if isinstance(y, list):
+                todo.extend(y)
+            else:
+                flat.append(y.strip('"'))
+        return frozenset(t for t in flat if t in tables)
+
+    if head == "rule":
+        return [Direction(i, frozenset(heads(rest[0], tables)), writes(rest[1]))]
+    lhs, rhs = rest[0], rest[1]
+    cond = heads(when, tables)
+    out = [Direction(i, frozenset(heads(lhs, tables) | cond), writes(rhs))]
+    if head == "birewrite":
+        out.append(Direction(i, frozenset(heads(rhs, tables) | cond), writes(lhs)))
+    return out
+
+
+HEAD = re.compile(r"\((\S+)")
+PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
+
+
+
+_LEAF = re.compile(r'\((D|Out|Opq) ("[^"]*")\)')  # strings made by `quote` hold no quote
+_PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
+
+
+def canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
+    """`text` with each leaf name replaced by its order of first appearance (per leaf kind)."""
+    names: dict[tuple[str, str], str] = {}
+
+    def sub(m: re.Match[str]) -> str:
+        key = (m.group(1), unquote(m.group(2)))
+        if key not in names:
+            names[key] = f"{_PREFIX[key[0]]}{len(names)}"
+        return f"({key[0]} {quote(names[key])})"
+
+    return _LEAF.sub(sub, text), names
+
+
+def rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
+    if t.op in LEAF_OPS or t.op == OPAQUE:
+        return Term(t.op, (), (back[t.attrs[0]][1],))
+    return Term(t.op, tuple(rename(a, back) for a in t.args), t.attrs)
+
+
+def record_shapes(text: str) -> str:
+    """Each `(set (shape X) S)` of egglog text followed by `(ShapeSeen X S)` (SHAPE_AUDIT)."""
+    out: list[str] = []
+    i = 0
+    while (j := text.find("(set (shape ", i)) >= 0:
+        end = end_of_atom(text, j)
+        x_at = j + len("(set ")
+        x_end = end_of_atom(text, x_at)
+        target = text[x_at + len("(shape "):x_end - 1]
+        value = text[x_end:end - 1].strip()
+        out.append(text[i:end] + f" (ShapeSeen {target} {value})")
+        i = end
+    out.append(text[i:])
+    return "".join(out)
+
+
+def in_ruleset(text: str, ruleset: str) -> str:
+    assert text.endswith(")")
+    return text[:-1] + f" :ruleset {ruleset})"
