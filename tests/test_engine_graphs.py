@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from refine.check import check_files, engine_for
-from refine.ops.registry import end_of_atom, load_registry
+from refine.ops import sexp
+from refine.ops.registry import load_registry
+from refine.ops.sexp import Sym, head, parse_one, show
 from refine.prove import declarations
 from refine.prove import engine as prove
 
@@ -21,10 +23,10 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 def test_statements_cut_at_top_level_only() -> None:
     text = '(a (b "x)(" ) ; c)\n )\n; a comment (\n(push)\n (d "\\"(")'
-    assert declarations.statements(text) == ['(a (b "x)(" ) ; c)\n )', "(push)", '(d "\\"(")']
+    assert sexp.statements(text) == ['(a (b "x)(" ) ; c)\n )', "(push)", '(d "\\"(")']
     # anything but statements between them: the whole text, for egglog to report
-    assert declarations.statements("(a) x (b)") == ["(a) x (b)"]
-    assert declarations.statements("(a") == ["(a"]
+    assert sexp.statements("(a) x (b)") == ["(a) x (b)"]
+    assert sexp.statements("(a") == ["(a"]
 
 
 def _decls() -> declarations.Declarations:
@@ -135,26 +137,23 @@ def _with_lets(program: str) -> str:
     out: list[str] = []
     k = 0
     for line in program.split("\n"):
-        head = next((h for h in ("(set (shape ", "(union ") if line.startswith(h)), None)
         if line == "(Mark $__seq)":
             out.append("(let $__mark (Mark $__seq))")
             continue
-        if head is None:
+        st = parse_one(line) if line.startswith(("(set (shape ", "(union ")) else None
+        if st is None:
             out.append(line)
             continue
-        at = len(head)
-        first = end_of_atom(line, at)
-        if head == "(union ":
-            at = first + 1
-            first = end_of_atom(line, at)
-        term = line[at:first]
-        if term.startswith(("(D ", "(Out ", "(Opq ")) or not term.startswith("("):
+        # the term a set shape (its shape's argument) or a union (its second side) states
+        term = st[1][1] if head(st) == "set" else st[2]
+        if head(term) in (None, "D", "Out", "Opq"):
             out.append(line)
         else:
-            out.append(f"(let $__l{k} {term})")
-            out.append(line[:at] + f"$__l{k}" + line[first:])
+            out.append(f"(let $__l{k} {show(term)})")
+            named = (st[0], (st[1][0], Sym(f"$__l{k}")), st[2]) if head(st) == "set" else (*st[:2], Sym(f"$__l{k}"))
+            out.append(show(named))
             k += 1
-        if head == "(union ":
+        if head(st) == "union":
             out.append(out[-1])
     return "\n".join(out)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from fractions import Fraction
@@ -46,6 +45,7 @@ from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
 from refine.ops.registry import Registry, load_registry
+from refine.ops.sexp import Sym, head, parse_cached
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -153,9 +153,6 @@ def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
     }
 
 
-_DECL = re.compile(r"\(constructor\s+(\S+)\s+\(([^()]*)\)\s+T\b")
-
-
 _HELPER_SORTS: dict[int, tuple[Registry, dict[str, tuple[str, ...]]]] = {}
 
 
@@ -166,9 +163,11 @@ def helper_sorts(registry: Registry) -> dict[str, tuple[str, ...]]:
         return hit[1]
     out: dict[str, tuple[str, ...]] = {}
     for d in registry.decls:
-        m = _DECL.search(d)
-        if m:
-            out[m.group(1)] = tuple(m.group(2).split())
+        for x in parse_cached(d):
+            # (constructor NAME (SORT...) T ...): a helper over tensors
+            if head(x) == "constructor" and len(x) >= 4 and isinstance(x[2], tuple) and x[3] == Sym("T") \
+                    and all(isinstance(s, Sym) for s in x[2]):
+                out[x[1].name] = tuple(s.name for s in x[2])
     _HELPER_SORTS[id(registry)] = (registry, out)
     return out
 

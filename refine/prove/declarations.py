@@ -5,42 +5,13 @@ e-graph), and a step's program over canonical leaf names (`canonical`)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from refine.ir.term import LEAF_OPS, OPAQUE, Term, quote, unquote
-from refine.ops.registry import end_of_atom
-
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
-_GAP = re.compile(r"(?:\s|;[^\n]*)*")
-
-
-def statements(text: str) -> list[str]:
-    """`text` cut into its top-level parenthesised statements; the whole text as one when
-    anything else stands between them (egglog then reports it)."""
-    out: list[str] = []
-    depth, start, end = 0, 0, 0
-    for m in _TOKEN.finditer(text):
-        tok = m.group()
-        if tok == "(":
-            if depth == 0:
-                if not _GAP.fullmatch(text, end, m.start()):
-                    return [text]
-                start = m.start()
-            depth += 1
-        elif tok == ")":
-            depth -= 1
-            if depth == 0:
-                out.append(text[start:m.end()])
-                end = m.end()
-            elif depth < 0:
-                return [text]
-    if depth or not _GAP.fullmatch(text, end):
-        return [text]
-    return out
-
+from refine.ops.sexp import Sexp, Sym, emit, head, names, parse, show, symbols, with_option
 
 _RULE_HEADS = ("rule", "rewrite", "birewrite")
-_NAME = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s()";]+)')
 
 
 @dataclass(frozen=True)
@@ -93,29 +64,35 @@ class Declarations:
     closures: dict[frozenset[str], Need] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, text: str) -> Declarations:
-        cut: list[tuple[str, int | None, str | None]] = []
+    def of(cls, program: str | Iterable[Sexp], py: bool = False) -> Declarations:
+        """From the declarations as text or as parsed statements (size macros expanded
+        for PyObject sizes when `py`)."""
+        cut: list[tuple[str, int | None, str | None]] = []  # (text, its rule's index, the table it declares)
         rules: list[str] = []
-        parsed = []
+        parsed: list[tuple[Sexp, ...]] = []
         tables: set[str] = set()
-        others: list[str] = []
-        for st in statements(text):
-            sx = sexp(st)
-            head = sx[0] if sx else None
-            if head in _RULE_HEADS:
+        others: list[Sexp] = []
+        declared: list[tuple[str, Sexp]] = []
+        for sx in parse(program) if isinstance(program, str) else program:
+            st = emit(sx, py)
+            h = head(sx)
+            if h in _RULE_HEADS:
+                assert isinstance(sx, tuple)
                 cut.append((st, len(rules), None))
                 rules.append(st)
                 parsed.append(sx)
-            elif head in ("constructor", "function", "relation"):
-                cut.append((st, None, sx[1]))
-                tables.add(sx[1])
+            elif h in ("constructor", "function", "relation"):
+                assert isinstance(sx, tuple) and isinstance(sx[1], Sym), st
+                cut.append((st, None, sx[1].name))
+                tables.add(sx[1].name)
+                declared.append((sx[1].name, sx))
             else:
                 cut.append((st, None, None))
-                others.append(st)
-        deps = {t: frozenset(names(st) & tables) - {t} for st, _, t in cut if t is not None}
-        always = frozenset(x for st in others for x in names(st) & tables)
+                others.append(sx)
+        deps = {t: frozenset(symbols(sx) & tables) - {t} for t, sx in declared}
+        always = frozenset(x for sx in others for x in symbols(sx) & tables)
         dirs = [d for i, sx in enumerate(parsed) for d in directions(i, sx, tables)]
-        named = [frozenset(names(r) & tables) for r in rules]
+        named = [frozenset(symbols(sx) & tables) for sx in parsed]
         waiting: dict[str, list[int]] = {}
         for k, d in enumerate(dirs):
             for t in d.needs:
@@ -177,73 +154,41 @@ class Declarations:
         return need
 
 
-def sexp(text: str) -> list:
-    """One s-expression as nested lists of atoms (strings keep their quotes)."""
-    stack: list[list] = [[]]
-    for m in _ATOM.finditer(text):
-        tok = m.group()
-        if tok.startswith(";"):
-            continue
-        if tok == "(":
-            stack.append([])
-        elif tok == ")":
-            done = stack.pop()
-            stack[-1].append(done)
-        else:
-            stack[-1].append(tok)
-    return stack[-1][0] if stack[-1] else []
-
-
-_ATOM = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]|[^\s()";]+')
-
-
-def heads(sx: object, tables: frozenset[str] | set[str]) -> set[str]:
+def heads(sx: Sexp, tables: frozenset[str] | set[str]) -> set[str]:
     """The tables `sx` looks up: the heads of its lists that are tables."""
     out: set[str] = set()
     todo = [sx]
     while todo:
         x = todo.pop()
-        if isinstance(x, list):
-            if x and isinstance(x[0], str) and x[0] in tables:
-                out.add(x[0])
+        if isinstance(x, tuple):
+            h = head(x)
+            if h is not None and h in tables:
+                out.add(h)
             todo.extend(x)
     return out
 
 
-def names(text: str) -> set[str]:
-    """Every atom and string of `text` (what it may name: a table, also through `unstable-fn`)."""
-    return {a or b for a, b in _NAME.findall(text)}
-
-
-def directions(i: int, sx: list, tables: set[str]) -> list[Direction]:
+def directions(i: int, sx: tuple[Sexp, ...], tables: set[str]) -> list[Direction]:
     """A rule's query/actions, a rewrite's left side (and conditions)/right side, and a
     birewrite's both ways. What a side writes counts every table it names at all."""
-    head, *rest = sx
-    opts = {rest[k]: rest[k + 1] for k in range(2, len(rest) - 1) if isinstance(rest[k], str) and rest[k].startswith(":")}
-    when = opts.get(":when", [])
+    kind, *rest = sx
+    opts = {rest[k].name: rest[k + 1] for k in range(2, len(rest) - 1)
+            if isinstance(rest[k], Sym) and rest[k].name.startswith(":")}
+    when = opts.get(":when", ())
 
-    def writes(x: object) -> frozenset[str]:
-        flat: list[str] = []
-        todo = [x]
-        while todo:
-            y = todo.pop()
-            if isinstance(y, list):
-                todo.extend(y)
-            else:
-                flat.append(y.strip('"'))
-        return frozenset(t for t in flat if t in tables)
+    def writes(x: Sexp) -> frozenset[str]:
+        return frozenset(symbols(x) & tables)
 
-    if head == "rule":
+    if kind == Sym("rule"):
         return [Direction(i, frozenset(heads(rest[0], tables)), writes(rest[1]))]
     lhs, rhs = rest[0], rest[1]
     cond = heads(when, tables)
     out = [Direction(i, frozenset(heads(lhs, tables) | cond), writes(rhs))]
-    if head == "birewrite":
+    if kind == Sym("birewrite"):
         out.append(Direction(i, frozenset(heads(rhs, tables) | cond), writes(lhs)))
     return out
 
 
-HEAD = re.compile(r"\((\S+)")
 PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
 
 
@@ -271,22 +216,29 @@ def rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
     return Term(t.op, tuple(rename(a, back) for a in t.args), t.attrs)
 
 
-def record_shapes(text: str) -> str:
-    """Each `(set (shape X) S)` of egglog text followed by `(ShapeSeen X S)` (SHAPE_AUDIT)."""
-    out: list[str] = []
-    i = 0
-    while (j := text.find("(set (shape ", i)) >= 0:
-        end = end_of_atom(text, j)
-        x_at = j + len("(set ")
-        x_end = end_of_atom(text, x_at)
-        target = text[x_at + len("(shape "):x_end - 1]
-        value = text[x_end:end - 1].strip()
-        out.append(text[i:end] + f" (ShapeSeen {target} {value})")
-        i = end
-    out.append(text[i:])
-    return "".join(out)
+def record_shapes(statements: Iterable[Sexp]) -> list[Sexp]:
+    """Each `(set (shape X) S)`, at the top or in a rule's actions, followed by
+    `(ShapeSeen X S)` (SHAPE_AUDIT)."""
+
+    def walk(xs: Iterable[Sexp]) -> list[Sexp]:
+        out: list[Sexp] = []
+        for x in xs:
+            if not isinstance(x, tuple):
+                out.append(x)
+                continue
+            if head(x) == "set" and len(x) == 3 and head(x[1]) == "shape":
+                out += [x, (Sym("ShapeSeen"), x[1][1], x[2])]  # type: ignore[index]
+            else:
+                out.append(tuple(walk(x)))
+        return out
+
+    return walk(statements)
 
 
-def in_ruleset(text: str, ruleset: str) -> str:
-    assert text.endswith(")")
-    return text[:-1] + f" :ruleset {ruleset})"
+def record_shapes_text(text: str) -> str:
+    """`record_shapes` of egglog text the engine emits, a statement a line."""
+    return "\n".join(show(x) for x in record_shapes(parse(text)))
+
+
+def in_ruleset(x: Sexp, ruleset: str) -> Sexp:
+    return with_option(x, ":ruleset", Sym(ruleset))

@@ -40,19 +40,17 @@ from refine.ops.registry import (
     LEAF,
     LEAF_OUT,
     Registry,
-    compile_text,
-    dims_prelude,
 )
+from refine.ops.sexp import Sexp, Str, dims_prelude, heads_in, parse_cached, statements, with_option
 from refine.prove.declarations import (
-    HEAD,
     PLAIN_HEADS,
     Declarations,
     Need,
     canonical,
     in_ruleset,
     record_shapes,
+    record_shapes_text,
     rename,
-    statements,
 )
 from refine.prove.egg import bindings
 from refine.prove.reuse import Premises, Replayer, StepResult
@@ -142,7 +140,7 @@ class Engine:
         self._parsed: dict[str, list] = {}
         self._full: bindings.EGraph | None = None
         decls = self.declarations()
-        self._decls = Declarations.of(record_shapes(decls) if self.audit_shapes else decls)
+        self._decls = Declarations.of(record_shapes(decls) if self.audit_shapes else decls, self.symbolic)
         # e-graphs by the rules and tables they declare, least recently used first
         self._graphs: dict[Need, bindings.EGraph] = {}
 
@@ -196,7 +194,10 @@ class Engine:
         self._graphs[best] = eg
         return eg
 
-    def declarations(self) -> str:
+    def declarations(self) -> list[Sexp]:
+        """Every declaration and rule as an expression, size macros unexpanded: the sorts and
+        tables, the core ops' constructors, the families' declarations, the shape rules (in
+        the `shapes` ruleset) and the rules this engine runs."""
         lines = [
             "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec Dim))", "(sort TF (UnstableFn (T) T))",
             f"(constructor D (String) T :cost {LEAF})",
@@ -209,35 +210,34 @@ class Engine:
         for name, op in self.core.items():
             args = "TS" if op.kind == "nary" else " ".join(["T"] * op.inputs + list(self.sorts[name]))
             lines.append(f"(constructor {name} ({args}) T :cost {op.cost})")
-        lines += self.registry.decls
-        lines.append("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))")
-        lines.append("(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
+        out = [x for line in lines for x in parse_cached(line)]
+        out += [x for d in self.registry.decls for x in parse_cached(d)]
+        out += parse_cached("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))\n"
+                            "(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
         if self.audit_shapes:
-            lines.append("(relation ShapeSeen (T IV))")
-            lines.append("(relation ShapeConflict (T IV IV))")
-            lines.append("(ruleset audit)")
-            lines.append("(rule ((ShapeSeen e a) (ShapeSeen e b) (!= a b)) ((ShapeConflict e a b)) :ruleset audit)")
+            out += parse_cached("(relation ShapeSeen (T IV))\n(relation ShapeConflict (T IV IV))\n(ruleset audit)\n"
+                                "(rule ((ShapeSeen e a) (ShapeSeen e b) (!= a b)) ((ShapeConflict e a b)) "
+                                ":ruleset audit)")
         for op in self.core.values():
             if op.egglog_shape:
-                lines.append(in_ruleset(op.egglog_shape, "shapes"))
+                out += [in_ruleset(x, "shapes") for x in parse_cached(op.egglog_shape)]
             elif op.kind in ("unary", "elementwise"):
                 # same-shape ops: the result has its first argument's shape
                 xs = " ".join(f"x{i}" for i in range(op.inputs)) + "".join(f" a{i}" for i in range(len(op.attrs)))
-                lines.append(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) :ruleset shapes)")
+                out += parse_cached(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) "
+                                    ":ruleset shapes)")
         for r in self.registry.rules:
             if self.symbolic and not r.symbolic or r.needs and r.needs not in self.features:
                 continue
-            text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
-            if r.analysis:
-                text = in_ruleset(text, "shapes")
-            lines.append(text)
-        prelude = [dims_prelude()] if self.symbolic else []
-        return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
+            cmd = with_option(r.command, ":name", Str(r.name))  # egglog reports matches by this name
+            out.append(in_ruleset(cmd, "shapes") if r.analysis else cmd)
+        prelude = [x for line in dims_prelude() for x in parse_cached(line)] if self.symbolic else []
+        return prelude + out
 
     def _run(self, program: str, eg: bindings.EGraph | None = None) -> list:
         eg = self.eg if eg is None else eg
         if self.audit_shapes:
-            program = record_shapes(program)
+            program = record_shapes_text(program)
         try:
             return eg.run_program(*self._parse(program, eg))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
@@ -332,7 +332,7 @@ class Engine:
         # the rules whose queries can match in this e-graph (Declarations.closure): any
         # other never fires, so the step's e-graph and result are the same without them
         told = program + "\n" + "\n".join(checks)
-        eg = self._graph(self._decls.closure(record_shapes(told) if self.audit_shapes else told))
+        eg = self._graph(self._decls.closure(record_shapes_text(told) if self.audit_shapes else told))
         self._run("(push)", eg)
         try:
             self._run(program, eg)
@@ -402,8 +402,7 @@ class Engine:
         hold, as it is. A clean term with another op over rank tensors (a scale, a view, an
         expand of a concat) is often later found to be a concat of other rank tensors, and
         its users then need far fewer rewrites: such a step runs the whole bound."""
-        heads = set(HEAD.findall(best.termdag.to_string(best.term)))
-        return heads <= PLAIN_HEADS
+        return heads_in(best.termdag.to_string(best.term)) <= PLAIN_HEADS
 
 
 @dataclass

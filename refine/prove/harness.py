@@ -42,9 +42,11 @@ import torch
 from egglog import bindings
 
 from refine.ir.graph import TensorType
-from refine.ir.term import Term, lit, parse_sexp, quote
+from refine.ir.term import Term, lit, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
-from refine.ops.registry import Registry, Rule, ShapeError, compile_text
+from refine.ops.registry import Registry, Rule, ShapeError
+from refine.ops.sexp import Sexp, Str, Sym, emit, head
+from refine.prove.declarations import in_ruleset
 from refine.prove.engine import Engine
 
 ITERATIONS = 3
@@ -610,19 +612,13 @@ def leaf_values(leaves: dict[str, LeafSpec], seed: int) -> dict[str, torch.Tenso
 # The e-graph: every declaration, each rule in its own ruleset
 
 
-def _in_ruleset(text: str, ruleset: str) -> str:
-    assert text.rstrip().endswith(")")
-    text = text.rstrip()
-    return text[:-1] + f" :ruleset {ruleset})"
-
-
 def ruleset_name(i: int) -> str:
     return f"rule_{i}"
 
 
 def query_heads(rule: Rule, names: set[str]) -> set[str]:
     """The constructors a rule's query (or rewrite's left side) mentions."""
-    return _mentions(parse_sexp(rule.text)[1], names)
+    return _mentions(rule.command[1], names)
 
 
 def _nonneg(v: torch.Tensor) -> bool:
@@ -642,23 +638,22 @@ FACTS: dict[str, tuple[str, Any]] = {
 def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
     """The tables an analysis rule fills: constructors its actions (or right side) apply,
     directly or through `unstable-fn`."""
-    sexp = parse_sexp(rule.text)
-    return _mentions(sexp[2], names) | _mentions(sexp[2], {f'"{n}"' for n in names}, atoms=True)
+    return _mentions(rule.command[2], names, strings=True)
 
 
-def _mentions(x: Any, names: set[str], atoms: bool = False) -> set[str]:
+def _mentions(x: Sexp, names: set[str], strings: bool = False) -> set[str]:
+    """The `names` heading a list of `x`, and with `strings` those a string literal spells."""
     out: set[str] = set()
-
-    def walk(y: Any) -> None:
-        if isinstance(y, list) and y:
-            if isinstance(y[0], str) and y[0] in names:
-                out.add(y[0])
-            for z in y:
-                walk(z)
-        elif atoms and isinstance(y, str) and y in names:
-            out.add(y.strip('"'))
-
-    walk(x)
+    todo = [x]
+    while todo:
+        y = todo.pop()
+        if isinstance(y, tuple):
+            h = head(y)
+            if h is not None and h in names:
+                out.add(h)
+            todo.extend(y)
+        elif strings and isinstance(y, Str) and y.text in names:
+            out.add(y.text)
     return out
 
 
@@ -692,22 +687,21 @@ class Harness:
         self.sorts: dict[str, tuple[str, ...]] = dict(self.engine_sorts)
         for h, ss in self.hsorts.items():
             self.sorts[h] = tuple(s for s in ss if s != "T")
-        lines = [decls]
+        program: list[Sexp] = list(decls)
         self.checked_rules: list[tuple[int, Rule]] = []
         self.always: list[Rule] = []  # analyses: they run with the shape rules, as in the engine
         for i, r in enumerate(reg.rules):
             if self.symbolic and not r.symbolic:
                 continue
-            text = compile_text(r.text, self.symbolic)
             if r.analysis:
-                lines.append(_in_ruleset(text, "shapes"))
+                program.append(in_ruleset(r.command, "shapes"))
                 self.always.append(r)
             else:
-                lines.append(f"(ruleset {ruleset_name(i)})")
-                lines.append(_in_ruleset(text, ruleset_name(i)))
+                program.append((Sym("ruleset"), Sym(ruleset_name(i))))
+                program.append(in_ruleset(r.command, ruleset_name(i)))
                 self.checked_rules.append((i, r))
         self.eg = bindings.EGraph()
-        self._run("\n".join(lines))
+        self._run("\n".join(emit(x, self.symbolic) for x in program))
         gen = SeedGen(reg, self.seed, self.instances)
         self.seed_terms = gen.seeds()
         self.gen = gen
