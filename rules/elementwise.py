@@ -16,7 +16,7 @@ from refine.ir.graph import VALUE_CLASSES, Arg, Node, TensorType, value_class
 from refine.ir.lazy import F, torch
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
-    HELPER,
+    Helper,
     Op,
     Registry,
     Rule,
@@ -395,4 +395,5 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = [f"(constructor MulBy (T T) T :cost {HELPER})", f"(constructor DivBy (T T) T :cost {HELPER})"]
+HELPERS = [Helper("MulBy", ("T", "T"), lambda op, y, x: op("mul_t")(x, y)),
+           Helper("DivBy", ("T", "T"), lambda op, y, x: op("div_t")(x, y))]

@@ -12,7 +12,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import Helper, Op, Rule, ShapeError, rewrite, rule
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -78,4 +78,15 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor EmbRows (T T Dim) T :cost {HELPER})"]
+
+
+def _emb_rows(op: Any, w: Any, ids: Any, s: int) -> Any:
+    """Rows [s, s + rows) of a table: ids in range look up row id - s, the rest give 0."""
+    ids = ids.long()
+    inside = (ids >= s) & (ids < s + w.shape[0])
+    local = torch.where(inside, ids - s, torch.zeros_like(ids))
+    out = torch.nn.functional.embedding(local, w)
+    return out.masked_fill(~inside.unsqueeze(-1), 0.0)
+
+
+HELPERS = [Helper("EmbRows", ("T", "T", "Dim"), _emb_rows)]

@@ -22,7 +22,7 @@ from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder, UnsupportedOp
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
+from refine.ops.registry import Helper, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
 
 INT_DTYPES = ("int64", "int32", "int8", "uint8")
 
@@ -167,4 +167,4 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor IndexPutBy (T IV T) T :cost {HELPER})"]
+HELPERS = [Helper("IndexPutBy", ("T", "IV", "T"), lambda op, i, sh, v: op("index_put_acc")(i, v, shape=tuple(sh)))]

@@ -12,7 +12,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
-    HELPER,
+    Helper,
     Op,
     Rule,
     ShapeError,
@@ -151,4 +151,4 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor MatmulBy (T T) T :cost {HELPER})"]
+HELPERS = [Helper("MatmulBy", ("T", "T"), lambda op, b, a: op("matmul")(a, b))]

@@ -10,7 +10,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
+from refine.ops.registry import Helper, Op, Rule, ShapeError, ShapeFn, rewrite, rule
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -169,8 +169,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})",
-         f"(constructor RmeanBy (i64 T) T :cost {HELPER})"]
+HELPERS = [Helper("RsumBy", ("i64", "T"), lambda op, d, x: op("rsum")(x, dim=d)),
+           Helper("RmaxBy", ("i64", "T"), lambda op, d, x: op("rmax")(x, dim=d)),
+           Helper("RmeanBy", ("i64", "T"), lambda op, d, x: op("rmean")(x, dim=d))]
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export

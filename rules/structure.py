@@ -14,7 +14,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term, split_point
 from refine.ops.lower import Builder
-from refine.ops.registry import HELPER, Op, ShapeError, rewrite, rule
+from refine.ops.registry import Helper, Op, ShapeError, rewrite, rule
 
 
 def _cat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -439,14 +439,17 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
 
 
 # Helper constructors let a partially applied function map over the terms of a sum.
+HELPERS = [
+    Helper("ScaleBy", ("BigRat", "T"), lambda op, r, x: op("Scale")(x, factor=Fraction(r))),
+    Helper("SliceBy", ("i64", "Dim", "Dim", "T"), lambda op, d, s, e, x: op("slice")(x, dim=d, start=s, end=e)),
+    Helper("ViewAs", ("IV", "T"), lambda op, s, x: op("view")(x, shape=tuple(s))),
+    Helper("ExpandTo", ("IV", "T"), lambda op, s, x: op("expand")(x, shape=tuple(s))),
+    Helper("TransposeBy", ("i64", "i64", "T"), lambda op, i, j, x: op("transpose")(x, dim0=i, dim1=j)),
+    # the index of SUM_INDEX: never unioned with anything, never extracted; an entry is
+    # named by its term
+    Helper("SumHas", ("T", "T"), lambda op, e, a: a),
+]
 DECLS = [
-    f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
-    f"(constructor SliceBy (i64 Dim Dim T) T :cost {HELPER})",
-    f"(constructor ViewAs (IV T) T :cost {HELPER})",
-    f"(constructor ExpandTo (IV T) T :cost {HELPER})",
-    f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
-    # the index of SUM_INDEX: never unioned with anything, never extracted
-    f"(constructor SumHas (T T) T :cost {HELPER})",
     "(relation SumPair (T T T))",
     "(function SumStop (TS) bool :merge (or old new))",
 ]

@@ -126,12 +126,31 @@ class Rule:
         return parse_one(self.text)
 
 
+@dataclass(frozen=True)
+class Helper:
+    """A rule-internal constructor (cost HELPER: never extracted): an op partially applied,
+    mapped over the terms of a sum and rewritten to the op one iteration later, or an index
+    entry. `sorts` are its egglog argument sorts in order ("T" a tensor); `meaning(op,
+    *args)` is its value, for terms that hold it and for the rule checker: `op(name)` applies
+    a registry op's torch reference, the arguments come in declaration order."""
+
+    name: str
+    sorts: tuple[str, ...]
+    meaning: Callable[..., Any]
+    doc: str = ""
+
+    @property
+    def decl(self) -> str:
+        return f"(constructor {self.name} ({' '.join(self.sorts)}) T :cost {HELPER})"
+
+
 @dataclass
 class Registry:
     ops: dict[str, Op] = field(default_factory=dict)
     rules: list[Rule] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
+    helpers: dict[str, Helper] = field(default_factory=dict)  # families' HELPERS (declared in `decls` too)
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -151,6 +170,12 @@ class Registry:
                 _read(op.egglog_shape, f"rule family {name}: op {op.name}'s egglog_shape")
             self.ops[op.name] = _with_family(op, name)
             self.origins.setdefault(f"op {op.name}", file)
+        for h in getattr(module, "HELPERS", []):
+            if h.name in self.helpers:
+                raise ValueError(f"rule family {name}: helper {h.name!r} is already defined")
+            self.helpers[h.name] = h
+            self.decls.append(h.decl)
+            self.origins.setdefault(f"decl {h.decl}", file)
         for d in getattr(module, "DECLS", []):
             _read(d, f"rule family {name}: a declaration")
             self.decls.append(d)
