@@ -12,7 +12,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
-from refine.ops.registry import Helper, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Helper, Op, Rule, Sample, ShapeError, rewrite, rule
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -90,3 +90,13 @@ def _emb_rows(op: Any, w: Any, ids: Any, s: int) -> Any:
 
 
 HELPERS = [Helper("EmbRows", ("T", "T", "Dim"), _emb_rows)]
+
+
+# The soundness harness's seeds: a table and ids within it
+def _embedding(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    v, h = r.choice([2, 3, 4, 5]), r.choice([1, 2, 3])
+    return [((v, h), "f", 0), (gen.dims(r.choice([1, 2])), "i", v)], ()
+
+
+SAMPLES = {"embedding": Sample(_embedding, count=2)}

@@ -10,7 +10,17 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Helper, Op, Rule, ShapeError, ShapeFn, rewrite, rule
+from refine.ops.registry import (
+    ArgSpec,
+    Helper,
+    Op,
+    Rule,
+    Sample,
+    ShapeError,
+    ShapeFn,
+    rewrite,
+    rule,
+)
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -184,3 +194,11 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         x = gen.leaf(tuple(shape))
         out += [Term(op, (x,), (d,)) for op in ("rsum", "rmax", "rmean")]
     return out
+
+
+# The soundness harness's seeds: a dim to reduce over
+def _over_dim(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)], (gen.rng.randrange(len(x)),)
+
+
+SAMPLES = {"rsum": Sample(_over_dim, count=2), "rmax": Sample(_over_dim, count=2), "rmean": Sample(_over_dim)}

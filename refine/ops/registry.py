@@ -144,6 +144,23 @@ class Helper:
         return f"(constructor {self.name} ({' '.join(self.sorts)}) T :cost {HELPER})"
 
 
+# An argument of a seed term the soundness harness builds: its shape, its kind ("f" any
+# float, "p" positive, "b" bool, "i" integer ids below the bound) and that bound.
+ArgSpec = tuple[tuple[int, ...], str, int]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """How the soundness harness applies one core op to random arguments (a family's
+    SAMPLES, by op name): `args(gen, x)` gives the argument specs and attributes of one
+    application, or None, drawing from `gen.rng` (`gen` a `refine.prove.harness.SeedGen`;
+    `x` random dims it drew first); `count` applications per harness instance (ops with
+    many forms get more). An op without one gets same-shape float arguments."""
+
+    args: Callable[[Any, tuple[int, ...]], tuple[list[ArgSpec], tuple[Any, ...]] | None]
+    count: int = 1
+
+
 @dataclass
 class Registry:
     ops: dict[str, Op] = field(default_factory=dict)
@@ -151,6 +168,7 @@ class Registry:
     families: list[str] = field(default_factory=list)
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
     helpers: dict[str, Helper] = field(default_factory=dict)  # families' HELPERS (declared in `decls` too)
+    samples: dict[str, Sample] = field(default_factory=dict)  # families' SAMPLES: op name -> harness sampler
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -180,6 +198,10 @@ class Registry:
             _read(d, f"rule family {name}: a declaration")
             self.decls.append(d)
             self.origins.setdefault(f"decl {d}", file)
+        for op_name, sample in getattr(module, "SAMPLES", {}).items():
+            if op_name in self.samples:
+                raise ValueError(f"rule family {name}: op {op_name!r} already has a sampler")
+            self.samples[op_name] = sample
         if callable(getattr(module, "SEEDS", None)):
             self.seeders.append((name, module.SEEDS))
         self._pending.append((name, getattr(module, "RULES", []), file))

@@ -44,7 +44,7 @@ from egglog import bindings
 from refine.ir.graph import TensorType
 from refine.ir.term import Term, lit, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
-from refine.ops.registry import Registry, Rule, ShapeError
+from refine.ops.registry import ArgSpec, Registry, Rule, ShapeError
 from refine.ops.sexp import Sexp, Str, Sym, emit, head
 from refine.prove.declarations import in_ruleset
 from refine.prove.engine import Engine
@@ -199,109 +199,20 @@ class SeedGen:
 
     # -- op instances
 
-    def instance(self, name: str) -> tuple[list[tuple[tuple[int, ...], str, int]], tuple[Any, ...]] | None:
-        """Argument specs (shape, kind, bound) and attributes of a random application."""
+    def instance(self, name: str) -> tuple[list[ArgSpec], tuple[Any, ...]] | None:
+        """Argument specs (shape, kind, bound) and attributes of a random application: the
+        op's family's sampler (`refine.ops.registry.Sample`, a family's SAMPLES) if it has
+        one, else same-shape float arguments."""
         r = self.rng
         op = self.core[name]
         x = self.dims()
-        unary_pos = {"log_t", "sqrt_t", "rsqrt_t", "reciprocal_t"}
+        sample = self.registry.samples.get(name)
+        if sample is not None:
+            return sample.args(self, x)
         if op.kind == "unary":
-            if name == "cast_float_t":  # bool masks and small integers, as the casts it stands for
-                return [(x, r.choice(["b", "i"]), 7)], ()
-            if name == "Scale":
-                return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
-            kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"
-            attrs: tuple[Any, ...] = ()
-            if name == "gelu_t":
-                attrs = (r.choice(["none", "tanh"]),)
-            elif name == "clamp_t":
-                attrs = r.choice([(-0.5, 0.5), (-math.inf, 0.0), (0.0, math.inf)])
-            return [(x, kind, 0)], attrs
+            return [(x, "f", 0)], ()
         if op.kind == "elementwise":
-            if name in ("logical_or_t", "logical_and_t"):
-                return [(x, "b", 0), (x, "b", 0)], ()
-            if name == "masked_fill_t":
-                return [(x, "f", 0), (x, "b", 0)], (r.choice([0.0, -1.5]),)
-            if name == "where_t":
-                return [(x, "b", 0), (x, "f", 0), (x, "f", 0)], ()
-            if name == "pow_t":
-                return [(x, "p", 0), (x, "f", 0)], ()
-            if name == "div_t":
-                return [(x, "f", 0), (x, "p", 0)], ()
             return [(x, "f", 0), (x, "f", 0)], ()
-        if name == "embedding":
-            v, h = r.choice([2, 3, 4, 5]), r.choice([1, 2, 3])
-            return [((v, h), "f", 0), (self.dims(r.choice([1, 2])), "i", v)], ()
-        if name == "matmul":
-            m, k, n = self.dims(3)
-            batch = self.dims(r.choice([0, 1, 1, 2]))
-            b = batch + (k, n) if batch and r.random() < 0.5 else (k, n)
-            return [(batch + (m, k), "f", 0), (b, "f", 0)], ()
-        if name in ("gather", "scatter_value"):
-            x = self.dims(r.choice([1, 2, 2, 3]))
-            d = r.randrange(len(x))
-            idx = list(x)
-            idx[d] = r.choice([1, 2, 3])
-            if len(x) > 1 and r.random() < 0.25:  # an index smaller than x on another dim
-                j = r.choice([i for i in range(len(x)) if i != d])
-                idx[j] = r.randint(1, x[j])
-            attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
-            return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
-        if name in ("topk_values", "topk_indices"):
-            d = r.randrange(len(x))
-            return [(x, "f", 0)], (r.randint(1, x[d]), d)
-        if name in ("scatter_src", "scatter_acc"):  # index and src of one shape, no larger than the target
-            x = self.dims(r.choice([1, 2, 2, 3]))
-            d = r.randrange(len(x))
-            idx = list(x)
-            idx[d] = r.choice([1, 2, 3])
-            if len(x) > 1 and r.random() < 0.25:
-                j = r.choice([i for i in range(len(x)) if i != d])
-                idx[j] = r.randint(1, x[j])
-            args = [(tuple(idx), "i", x[d]), (tuple(idx), "f", 0)]
-            return ([(x, "f", 0)] + args, (d,)) if name == "scatter_src" else (args, (d, x))
-        if name == "index_put_acc":
-            idx = self.dims(r.choice([1, 1, 2]))
-            trailing = self.dims(r.choice([0, 1, 1, 2]))
-            rows = r.choice([2, 3, 4, 5])
-            return [(idx, "i", rows), (idx + trailing, "f", 0)], ((rows,) + trailing,)
-        if name == "layer_norm_rstd_c":
-            return [(x, "f", 0)], (r.choice([1e-5, 0.5]),)
-        if name == "arange_c":
-            start, step, n = r.randint(0, 3), r.choice([1, 1, 2, 3]), r.randint(1, 5)
-            return [], (start, start + (n - 1) * step + r.randint(1, step), step)
-        if name in ("softmax", "log_softmax", "rsum", "rmax", "rmean"):
-            return [(x, "f", 0)], (r.randrange(len(x)),)
-        if name in ("layer_norm_c", "rms_norm_c"):
-            k = r.choice([1, 1, len(x)])
-            w = x[len(x) - k:]
-            args = [(x, "f", 0), (w, "f", 0)] + ([(w, "f", 0)] if name == "layer_norm_c" else [])
-            return args, (k, 1e-5)
-        if name == "cat":
-            d = r.randrange(len(x))
-            y = x[:d] + (r.choice([1, 2, 3]),) + x[d + 1:]
-            return [(x, "f", 0), (y, "f", 0)], (d,)
-        if name == "slice":
-            d = r.randrange(len(x))
-            s = r.randint(0, x[d] - 1)
-            e = x[d] if r.random() < 0.3 else r.randint(s + 1, x[d])
-            s = 0 if r.random() < 0.2 else s
-            return [(x, "f", 0)], (d, s, e)
-        if name == "view":
-            return [(x, "f", 0)], (self.refactor(x),)
-        if name == "transpose":
-            if len(x) < 2:
-                x = self.dims(2)
-            i, j = r.choice([(a, b) for a in range(len(x)) for b in range(len(x))])
-            return [(x, "f", 0)], (i, j)
-        if name == "expand":
-            src = tuple(1 if r.random() < 0.5 else s for s in x)
-            new = self.dims(r.choice([0, 1]))
-            return [(src, "f", 0)], (new + tuple(s if s != 1 else r.choice([1, 2, 3]) for s in src),)
-        if name == "full":
-            return [], (r.choice([0.0, 1.5]), x)
-        if name in ("Sum", "Max"):
-            return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
         if op.inputs > 0 and all(k.rstrip("?") == "dim" for _, k in op.attrs):
             # an op from a rule file refine has no sampler for: same-shape float arguments
             # and a random dim for each dim attribute (none if its shape rule refuses them)
@@ -318,10 +229,6 @@ class SeedGen:
 
     # -- the seed set
 
-    EXTRA = {"matmul": 4, "embedding": 2, "softmax": 2, "log_softmax": 2, "rmax": 2, "rsum": 2,
-             "layer_norm_c": 3, "rms_norm_c": 3, "gather": 2, "scatter_value": 2, "index_put_acc": 2,
-             "scatter_src": 2, "scatter_acc": 3, "topk_values": 2, "topk_indices": 2,
-             "layer_norm_rstd_c": 2}
     FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
 
     def seeds(self) -> list[Term]:
@@ -331,7 +238,7 @@ class SeedGen:
         for name in sorted(self.core):
             # one random stream per op: a new op leaves every other op's seeds as they were
             self.rng = random.Random(f"{self.seed}:{name}")
-            for _ in range(self.instances * self.EXTRA.get(name, 1)):
+            for _ in range(self.instances * (sample.count if (sample := self.registry.samples.get(name)) else 1)):
                 inst = self.instance(name)
                 if inst is None:
                     continue
