@@ -99,4 +99,5 @@ def _embedding(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, 
     return [((v, h), "f", 0), (gen.dims(r.choice([1, 2])), "i", v)], ()
 
 
-SAMPLES = {"embedding": Sample(_embedding, count=2)}
+# the table cut by rows
+SAMPLES = {"embedding": Sample(_embedding, count=2, concat_dim=lambda gen, i, attrs: 0 if i == 0 else None)}

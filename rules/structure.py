@@ -497,7 +497,8 @@ def _terms(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]
 
 SAMPLES = {
     "Scale": Sample(_scale),
-    "cat": Sample(_cat),
+    # half of the time, an operand cut along the concat's own dim
+    "cat": Sample(_cat, concat_dim=lambda gen, i, attrs: attrs[0] if gen.rng.random() < 0.5 else None),
     "slice": Sample(_slice),
     "view": Sample(lambda gen, x: ([(x, "f", 0)], (gen.refactor(x),))),
     "transpose": Sample(_transpose),

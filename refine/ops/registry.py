@@ -155,10 +155,24 @@ class Sample:
     SAMPLES, by op name): `args(gen, x)` gives the argument specs and attributes of one
     application, or None, drawing from `gen.rng` (`gen` a `refine.prove.harness.SeedGen`;
     `x` random dims it drew first); `count` applications per harness instance (ops with
-    many forms get more). An op without one gets same-shape float arguments."""
+    many forms get more). An op without one gets same-shape float arguments. The harness
+    also puts each argument in other forms, a concat among them: `concat_dim(gen, i,
+    attrs)` may choose the dim argument i is cut along (None: any)."""
 
     args: Callable[[Any, tuple[int, ...]], tuple[list[ArgSpec], tuple[Any, ...]] | None]
     count: int = 1
+    concat_dim: Callable[[Any, int, tuple[Any, ...]], int | None] | None = None
+
+
+@dataclass(frozen=True)
+class Fact:
+    """What a fact relation an analysis derives says (a family's FACTS, by relation name; the
+    relation is declared in its DECLS), for the soundness harness, which checks every fact
+    of every e-graph it reads back: `holds(value)` of its one tensor (`quant` "one"), or of
+    all / some of the terms of its multiset ("all", "any")."""
+
+    quant: str
+    holds: Callable[[Any], bool]
 
 
 @dataclass
@@ -169,6 +183,7 @@ class Registry:
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
     helpers: dict[str, Helper] = field(default_factory=dict)  # families' HELPERS (declared in `decls` too)
     samples: dict[str, Sample] = field(default_factory=dict)  # families' SAMPLES: op name -> harness sampler
+    facts: dict[str, Fact] = field(default_factory=dict)  # families' FACTS: relation name -> what it says
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -202,6 +217,10 @@ class Registry:
             if op_name in self.samples:
                 raise ValueError(f"rule family {name}: op {op_name!r} already has a sampler")
             self.samples[op_name] = sample
+        for rel, fact in getattr(module, "FACTS", {}).items():
+            if rel in self.facts:
+                raise ValueError(f"rule family {name}: fact {rel!r} is already defined")
+            self.facts[rel] = fact
         if callable(getattr(module, "SEEDS", None)):
             self.seeders.append((name, module.SEEDS))
         self._pending.append((name, getattr(module, "RULES", []), file))

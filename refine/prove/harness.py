@@ -19,8 +19,8 @@
    e-node must equal (allclose, float64) the e-class's value, the shape analysis must agree
    with the evaluated shape of its e-class, and the analyses must be right: prefix products
    (`pp`), the index of the terms of each sum (`SumHas`: a term of a sum of that class;
-   `SumPair`: a class holding the sum of two terms) and the facts of `FACTS` (`NonNeg`,
-   rules/vector_norm.py: no element negative). Any difference can only come from the one
+   `SumPair`: a class holding the sum of two terms) and the facts the families' FACTS
+   say (`NonNeg`, rules/vector_norm.py: no element negative). Any difference can only come from the one
    rule in the e-graph.
 4. **Coverage.** A rule that never changed its e-graph was not tested: it is reported.
 """
@@ -238,7 +238,8 @@ class SeedGen:
         for name in sorted(self.core):
             # one random stream per op: a new op leaves every other op's seeds as they were
             self.rng = random.Random(f"{self.seed}:{name}")
-            for _ in range(self.instances * (sample.count if (sample := self.registry.samples.get(name)) else 1)):
+            sample = self.registry.samples.get(name)
+            for _ in range(self.instances * (sample.count if sample else 1)):
                 inst = self.instance(name)
                 if inst is None:
                     continue
@@ -250,10 +251,8 @@ class SeedGen:
                 for i, (shape, kind, bound) in enumerate(specs):
                     for form in self.FORMS:
                         dim = None
-                        if name == "embedding" and i == 0 and form.startswith("cat"):
-                            dim = 0  # the table by rows
-                        elif name == "cat" and form.startswith("cat") and self.rng.random() < 0.5:
-                            dim = attrs[0]
+                        if form.startswith("cat") and sample is not None and sample.concat_dim is not None:
+                            dim = sample.concat_dim(self, i, attrs)
                         arg = self.like(shape, kind, form, bound, dim)
                         if arg is None:
                             continue
@@ -528,20 +527,6 @@ def query_heads(rule: Rule, names: set[str]) -> set[str]:
     return _mentions(rule.command[1], names)
 
 
-def _nonneg(v: torch.Tensor) -> bool:
-    return not bool((v < 0).any())  # no element negative (NaN is not negative)
-
-
-# Fact relations analyses derive (declared by a rule family) and what each says: of its one
-# tensor ("one"), or of all / some of the terms of its multiset ("all", "any"). Every fact in
-# an e-graph the harness reads back must hold.
-FACTS: dict[str, tuple[str, Any]] = {
-    "NonNeg": ("one", _nonneg),  # rules/vector_norm.py
-    "NNAll": ("all", _nonneg),  # every term of a sum is non-negative
-    "NNTodo": ("any", _nonneg),  # the rest of a sum, walked while its terms are non-negative
-}
-
-
 def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
     """The tables an analysis rule fills: constructors its actions (or right side) apply,
     directly or through `unstable-fn`."""
@@ -617,7 +602,7 @@ class Harness:
             self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
-        tables = names | {"pp", "SumPair", "SumStop"} | set(FACTS)
+        tables = names | {"pp", "SumPair", "SumStop"} | set(reg.facts)
         self.writes = {r.name: analysis_writes(r, tables) for r in self.always}
         made = set().union(*self.writes.values())  # seeds need not hold what analyses make
         self.heads = {r.name: query_heads(r, names) - made for _, r in self.checked_rules}
@@ -789,7 +774,7 @@ class Harness:
                 if value(prim[n["eclass"]]) is True:
                     stops = stops or _stop_index(nodes, value)
                     failures += _check_sum_stop(n["children"][0], nodes, cls_term, stops)
-            if n["op"] in FACTS and len(n["children"]) == 1:
+            if n["op"] in self.registry.facts and len(n["children"]) == 1:
                 failures += self._check_fact(n, nodes, cls_term)
             if n["op"] == "pp":
                 self.analysis_checked["pp"] += 1
@@ -800,7 +785,8 @@ class Harness:
         return checked, failures
 
     def _check_fact(self, n: dict[str, Any], nodes: dict[str, Any], cls_term: dict[str, Term]) -> list[str]:
-        quant, holds = FACTS[n["op"]]
+        fact = self.registry.facts[n["op"]]
+        quant, holds = fact.quant, fact.holds
         self.analysis_checked[n["op"]] += 1
         kid = n["children"][0]
         classes = [nodes[kid]["eclass"]] if quant == "one" else [nodes[k]["eclass"] for k in nodes[kid]["children"]]
