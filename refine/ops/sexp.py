@@ -12,7 +12,6 @@ used (`parse_cached`); everything after works on the tree.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -251,6 +250,3 @@ def emit(x: Sexp, py: bool) -> str:
             else f"({_I64[h]} {' '.join(args)})"
     return "(" + " ".join([emit(x[0], py), *args]) + ")"
 
-
-def emit_all(xs: Iterable[Sexp], py: bool) -> list[str]:
-    return [emit(x, py) for x in xs]

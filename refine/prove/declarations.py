@@ -1,6 +1,7 @@
-"""The engine's egglog text as statements: its declarations cut into statements, what
-each rule reads and writes (`Declarations.closure`: the rules that can fire in a step's
-e-graph), and a step's program over canonical leaf names (`canonical`)."""
+"""The engine's declarations as statements, and what each rule reads and writes
+(`Declarations.closure`: the rules that can fire in a step's e-graph), read from their
+trees (refine.ops.sexp); a step's program over canonical leaf names (`canonical`); the
+statements of the shape audit (`record_shapes`)."""
 
 from __future__ import annotations
 
@@ -189,10 +190,12 @@ def directions(i: int, sx: tuple[Sexp, ...], tables: set[str]) -> list[Direction
     return out
 
 
-PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
+PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})  # of a plain term (Engine._plain)
 
 
-
+# A step's program is text the engine printed (refine.prove.engine._Emitter), its leaf names
+# written by `quote`: they are renamed in that text, where the cache key is taken, rather
+# than by printing the program again from a tree at every step.
 _LEAF = re.compile(r'\((D|Out|Opq) ("[^"]*")\)')  # strings made by `quote` hold no quote
 _PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
 
