@@ -19,7 +19,7 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder
-from refine.ops.registry import Op, ShapeError
+from refine.ops.registry import Op, Sample, ShapeError
 
 
 def _cast_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -62,3 +62,7 @@ OPS = [
            "int) a cast_float_t; to a narrower one refused"),
 ]
 RULES: list = []  # cast_float_t gets the unary templates (over cat, into slice); no Sum rule
+
+
+# The soundness harness's seeds: bool masks and small integers, as the casts it stands for
+SAMPLES = {"cast_float_t": Sample(lambda gen, x: ([(x, gen.rng.choice(["b", "i"]), 7)], ()))}

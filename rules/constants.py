@@ -16,7 +16,7 @@ from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType, value_class
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder
-from refine.ops.registry import Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite, rule
 
 
 def _arange_len(start: Any, end: Any, step: int) -> Any:
@@ -99,3 +99,13 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
                                  "(d-divides (dim st) (d- m s))"],
              ["(union (arange_c s e st) (cat p q 0))"]),
     ]
+
+
+# The soundness harness's seeds: ranges of a few elements, the end anywhere in the last step
+def _arange(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    start, step, n = r.randint(0, 3), r.choice([1, 1, 2, 3]), r.randint(1, 5)
+    return [], (start, start + (n - 1) * step + r.randint(1, step), step)
+
+
+SAMPLES = {"arange_c": Sample(_arange)}

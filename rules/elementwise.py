@@ -16,10 +16,12 @@ from refine.ir.graph import VALUE_CLASSES, Arg, Node, TensorType, value_class
 from refine.ir.lazy import F, torch
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
-    HELPER,
+    ArgSpec,
+    Helper,
     Op,
     Registry,
     Rule,
+    Sample,
     ShapeError,
     broadcast_shapes,
     rewrite,
@@ -395,4 +397,29 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = [f"(constructor MulBy (T T) T :cost {HELPER})", f"(constructor DivBy (T T) T :cost {HELPER})"]
+HELPERS = [Helper("MulBy", ("T", "T"), lambda op, y, x: op("mul_t")(x, y)),
+           Helper("DivBy", ("T", "T"), lambda op, y, x: op("div_t")(x, y))]
+
+
+# The soundness harness's seeds: arguments in each op's domain (positive where it needs,
+# bool for logic), and its attributes' values
+def _positive(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "p", 0)], ()
+
+
+def _logical(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "b", 0), (x, "b", 0)], ()
+
+
+SAMPLES = {
+    **{name: Sample(_positive) for name in ("log_t", "sqrt_t", "rsqrt_t", "reciprocal_t")},
+    "logical_not_t": Sample(lambda gen, x: ([(x, "b", 0)], ())),
+    "gelu_t": Sample(lambda gen, x: ([(x, "f", 0)], (gen.rng.choice(["none", "tanh"]),))),
+    "clamp_t": Sample(lambda gen, x: ([(x, "f", 0)], gen.rng.choice([(-0.5, 0.5), (-math.inf, 0.0), (0.0, math.inf)]))),
+    "logical_or_t": Sample(_logical),
+    "logical_and_t": Sample(_logical),
+    "masked_fill_t": Sample(lambda gen, x: ([(x, "f", 0), (x, "b", 0)], (gen.rng.choice([0.0, -1.5]),))),
+    "where_t": Sample(lambda gen, x: ([(x, "b", 0), (x, "f", 0), (x, "f", 0)], ())),
+    "pow_t": Sample(lambda gen, x: ([(x, "p", 0), (x, "f", 0)], ())),
+    "div_t": Sample(lambda gen, x: ([(x, "f", 0), (x, "p", 0)], ())),
+}

@@ -12,7 +12,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Helper, Op, Rule, Sample, ShapeError, rewrite, rule
 
 
 def _shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -78,4 +78,26 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor EmbRows (T T Dim) T :cost {HELPER})"]
+
+
+def _emb_rows(op: Any, w: Any, ids: Any, s: int) -> Any:
+    """Rows [s, s + rows) of a table: ids in range look up row id - s, the rest give 0."""
+    ids = ids.long()
+    inside = (ids >= s) & (ids < s + w.shape[0])
+    local = torch.where(inside, ids - s, torch.zeros_like(ids))
+    out = torch.nn.functional.embedding(local, w)
+    return out.masked_fill(~inside.unsqueeze(-1), 0.0)
+
+
+HELPERS = [Helper("EmbRows", ("T", "T", "Dim"), _emb_rows)]
+
+
+# The soundness harness's seeds: a table and ids within it
+def _embedding(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    v, h = r.choice([2, 3, 4, 5]), r.choice([1, 2, 3])
+    return [((v, h), "f", 0), (gen.dims(r.choice([1, 2])), "i", v)], ()
+
+
+# the table cut by rows
+SAMPLES = {"embedding": Sample(_embedding, count=2, concat_dim=lambda gen, i, attrs: 0 if i == 0 else None)}

@@ -22,7 +22,17 @@ from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder, UnsupportedOp
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, broadcast_shapes, rewrite, rule
+from refine.ops.registry import (
+    ArgSpec,
+    Helper,
+    Op,
+    Rule,
+    Sample,
+    ShapeError,
+    broadcast_shapes,
+    rewrite,
+    rule,
+)
 
 INT_DTYPES = ("int64", "int32", "int8", "uint8")
 
@@ -167,4 +177,33 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor IndexPutBy (T IV T) T :cost {HELPER})"]
+HELPERS = [Helper("IndexPutBy", ("T", "IV", "T"), lambda op, i, sh, v: op("index_put_acc")(i, v, shape=tuple(sh)))]
+
+
+# The soundness harness's seeds: indices in range, sometimes smaller than x on another dim
+def _gather_like(name: str) -> Sample:
+    def args(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+        r = gen.rng
+        x = gen.dims(r.choice([1, 2, 2, 3]))
+        d = r.randrange(len(x))
+        idx = list(x)
+        idx[d] = r.choice([1, 2, 3])
+        if len(x) > 1 and r.random() < 0.25:  # an index smaller than x on another dim
+            j = r.choice([i for i in range(len(x)) if i != d])
+            idx[j] = r.randint(1, x[j])
+        attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
+        return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
+
+    return Sample(args, count=2)
+
+
+def _index_put(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    idx = gen.dims(r.choice([1, 1, 2]))
+    trailing = gen.dims(r.choice([0, 1, 1, 2]))
+    rows = r.choice([2, 3, 4, 5])
+    return [(idx, "i", rows), (idx + trailing, "f", 0)], ((rows,) + trailing,)
+
+
+SAMPLES = {"gather": _gather_like("gather"), "scatter_value": _gather_like("scatter_value"),
+           "index_put_acc": Sample(_index_put, count=2)}

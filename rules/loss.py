@@ -47,7 +47,7 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import Helper, Op, Rule, ShapeError, rewrite, rule
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's enum
 
@@ -279,5 +279,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor GatherOff (T T i64 Dim) T :cost {HELPER})"]
+
+
+def _gather_off(op: Any, x: Any, i: Any, g: int, s: int) -> Any:
+    """Positions [s, s + n) along g of a gather: indices in range look up position
+    index - s of x, the others give 0."""
+    i = i.long()
+    inside = (i >= s) & (i < s + x.shape[g])
+    local = torch.where(inside, i - s, torch.zeros_like(i))
+    return torch.gather(x, g, local).masked_fill(~inside, 0.0)
+
+
+HELPERS = [Helper("GatherOff", ("T", "T", "i64", "Dim"), _gather_off)]
 

@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from refine.ir.term import Term
-from refine.ops.registry import HELPER, Rule, rewrite, rule
+from refine.ops.registry import Helper, Rule, rewrite, rule
 
 ZERO = "(full 0.0 s)"
 BIG = "(bigint 1)"
@@ -55,7 +55,7 @@ RULES: list[Rule] = [
     rewrite("div-by-cast", "(div_t a (cast_float_t n))", "(div_t a n)"),
 ]
 
-DECLS = [f"(constructor WhereZero (T T T) T :cost {HELPER})"]
+HELPERS = [Helper("WhereZero", ("T", "T", "T"), lambda op, c, z, x: op("where_t")(c, x, z))]
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export

@@ -12,9 +12,11 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
-    HELPER,
+    ArgSpec,
+    Helper,
     Op,
     Rule,
+    Sample,
     ShapeError,
     broadcast_shapes,
     matmul_shape,
@@ -151,4 +153,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-DECLS = [f"(constructor MatmulBy (T T) T :cost {HELPER})"]
+HELPERS = [Helper("MatmulBy", ("T", "T"), lambda op, b, a: op("matmul")(a, b))]
+
+
+# The soundness harness's seeds: matrix products, batched on one side or both
+def _matmul(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    m, k, n = gen.dims(3)
+    batch = gen.dims(r.choice([0, 1, 1, 2]))
+    b = batch + (k, n) if batch and r.random() < 0.5 else (k, n)
+    return [(batch + (m, k), "f", 0), (b, "f", 0)], ()
+
+
+SAMPLES = {"matmul": Sample(_matmul, count=4)}

@@ -40,7 +40,7 @@ from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder
-from refine.ops.registry import Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite, rule
 
 INDEX_DTYPES = ("int64", "int32")
 
@@ -233,3 +233,31 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("scatter_acc-scale", "(scatter_acc i (Scale v r) g sh)", "(Scale (scatter_acc i v g sh) r)"),
     ]
 
+
+# The soundness harness's seeds: k within the dim; index and src of one shape, no larger
+# than the target
+def _topk(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    d = r.randrange(len(x))
+    return [(x, "f", 0)], (r.randint(1, x[d]), d)
+
+
+def _scatter(name: str) -> Any:
+    def args(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+        r = gen.rng
+        x = gen.dims(r.choice([1, 2, 2, 3]))
+        d = r.randrange(len(x))
+        idx = list(x)
+        idx[d] = r.choice([1, 2, 3])
+        if len(x) > 1 and r.random() < 0.25:
+            j = r.choice([i for i in range(len(x)) if i != d])
+            idx[j] = r.randint(1, x[j])
+        specs = [(tuple(idx), "i", x[d]), (tuple(idx), "f", 0)]
+        return ([(x, "f", 0)] + specs, (d,)) if name == "scatter_src" else (specs, (d, x))
+
+    return args
+
+
+SAMPLES = {"topk_values": Sample(_topk, count=2), "topk_indices": Sample(_topk, count=2),
+           "scatter_src": Sample(_scatter("scatter_src"), count=2),
+           "scatter_acc": Sample(_scatter("scatter_acc"), count=3)}

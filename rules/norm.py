@@ -9,7 +9,7 @@ from typing import Any
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import F, torch
 from refine.ops.lower import Builder
-from refine.ops.registry import Op, Rule, ShapeError, rewrite
+from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite
 
 
 def _along(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -184,3 +184,27 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
                 "(rms_norm_c (slice x d s e) w k eps)", "(< d (- (ndim x) k))"),
     ]
     return out
+
+
+# The soundness harness's seeds: a dim to normalise over; norms over 1 or all trailing dims
+def _over_dim(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)], (gen.rng.randrange(len(x)),)
+
+
+def _norm(name: str) -> Any:
+    def args(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+        k = gen.rng.choice([1, 1, len(x)])
+        w = x[len(x) - k:]
+        specs = [(x, "f", 0), (w, "f", 0)] + ([(w, "f", 0)] if name == "layer_norm_c" else [])
+        return specs, (k, 1e-5)
+
+    return args
+
+
+SAMPLES = {
+    "softmax": Sample(_over_dim, count=2),
+    "log_softmax": Sample(_over_dim, count=2),
+    "layer_norm_c": Sample(_norm("layer_norm_c"), count=3),
+    "rms_norm_c": Sample(_norm("rms_norm_c"), count=3),
+    "layer_norm_rstd_c": Sample(lambda gen, x: ([(x, "f", 0)], (gen.rng.choice([1e-5, 0.5]),)), count=2),
+}

@@ -10,7 +10,17 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import HELPER, Op, Rule, ShapeError, ShapeFn, rewrite, rule
+from refine.ops.registry import (
+    ArgSpec,
+    Helper,
+    Op,
+    Rule,
+    Sample,
+    ShapeError,
+    ShapeFn,
+    rewrite,
+    rule,
+)
 
 
 def _keep_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -169,8 +179,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return out
 
 
-DECLS = [f"(constructor RsumBy (i64 T) T :cost {HELPER})", f"(constructor RmaxBy (i64 T) T :cost {HELPER})",
-         f"(constructor RmeanBy (i64 T) T :cost {HELPER})"]
+HELPERS = [Helper("RsumBy", ("i64", "T"), lambda op, d, x: op("rsum")(x, dim=d)),
+           Helper("RmaxBy", ("i64", "T"), lambda op, d, x: op("rmax")(x, dim=d)),
+           Helper("RmeanBy", ("i64", "T"), lambda op, d, x: op("rmean")(x, dim=d))]
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
@@ -183,3 +194,11 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         x = gen.leaf(tuple(shape))
         out += [Term(op, (x,), (d,)) for op in ("rsum", "rmax", "rmean")]
     return out
+
+
+# The soundness harness's seeds: a dim to reduce over
+def _over_dim(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)], (gen.rng.randrange(len(x)),)
+
+
+SAMPLES = {"rsum": Sample(_over_dim, count=2), "rmax": Sample(_over_dim, count=2), "rmean": Sample(_over_dim)}

@@ -19,7 +19,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term, split_point
 from refine.ops.lower import Builder
-from refine.ops.registry import HELPER, Op, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Helper, Op, Sample, ShapeError, rewrite, rule
 
 
 def _cat_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -444,14 +444,71 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
 
 
 # Helper constructors let a partially applied function map over the terms of a sum.
+HELPERS = [
+    Helper("ScaleBy", ("BigRat", "T"), lambda op, r, x: op("Scale")(x, factor=Fraction(r))),
+    Helper("SliceBy", ("i64", "Dim", "Dim", "T"), lambda op, d, s, e, x: op("slice")(x, dim=d, start=s, end=e)),
+    Helper("ViewAs", ("IV", "T"), lambda op, s, x: op("view")(x, shape=tuple(s))),
+    Helper("ExpandTo", ("IV", "T"), lambda op, s, x: op("expand")(x, shape=tuple(s))),
+    Helper("TransposeBy", ("i64", "i64", "T"), lambda op, i, j, x: op("transpose")(x, dim0=i, dim1=j)),
+    # the index of SUM_INDEX: never unioned with anything, never extracted; an entry is
+    # named by its term
+    Helper("SumHas", ("T", "T"), lambda op, e, a: a),
+]
 DECLS = [
-    f"(constructor ScaleBy (BigRat T) T :cost {HELPER})",
-    f"(constructor SliceBy (i64 Dim Dim T) T :cost {HELPER})",
-    f"(constructor ViewAs (IV T) T :cost {HELPER})",
-    f"(constructor ExpandTo (IV T) T :cost {HELPER})",
-    f"(constructor TransposeBy (i64 i64 T) T :cost {HELPER})",
-    # the index of SUM_INDEX: never unioned with anything, never extracted
-    f"(constructor SumHas (T T) T :cost {HELPER})",
     "(relation SumPair (T T T))",
     "(function SumStop (TS) bool :merge (or old new))",
 ]
+
+
+# The soundness harness's seeds: each op of the relation language on arguments it accepts
+def _scale(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)], (gen.rng.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
+
+
+def _cat(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    d = r.randrange(len(x))
+    y = x[:d] + (r.choice([1, 2, 3]),) + x[d + 1:]
+    return [(x, "f", 0), (y, "f", 0)], (d,)
+
+
+def _slice(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    d = r.randrange(len(x))
+    s = r.randint(0, x[d] - 1)
+    e = x[d] if r.random() < 0.3 else r.randint(s + 1, x[d])
+    s = 0 if r.random() < 0.2 else s
+    return [(x, "f", 0)], (d, s, e)
+
+
+def _transpose(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    if len(x) < 2:
+        x = gen.dims(2)
+    i, j = r.choice([(a, b) for a in range(len(x)) for b in range(len(x))])
+    return [(x, "f", 0)], (i, j)
+
+
+def _expand(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    r = gen.rng
+    src = tuple(1 if r.random() < 0.5 else s for s in x)
+    new = gen.dims(r.choice([0, 1]))
+    return [(src, "f", 0)], (new + tuple(s if s != 1 else r.choice([1, 2, 3]) for s in src),)
+
+
+def _terms(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)] * gen.rng.choice([1, 2, 3]), ()
+
+
+SAMPLES = {
+    "Scale": Sample(_scale),
+    # half of the time, an operand cut along the concat's own dim
+    "cat": Sample(_cat, concat_dim=lambda gen, i, attrs: attrs[0] if gen.rng.random() < 0.5 else None),
+    "slice": Sample(_slice),
+    "view": Sample(lambda gen, x: ([(x, "f", 0)], (gen.refactor(x),))),
+    "transpose": Sample(_transpose),
+    "expand": Sample(_expand),
+    "full": Sample(lambda gen, x: ([], (gen.rng.choice([0.0, 1.5]), x))),
+    "Sum": Sample(_terms),
+    "Max": Sample(_terms),
+}

@@ -1,5 +1,5 @@
 """The engine runs each step on an e-graph declaring only the rules that can fire in it
-(refine.prove.engine._Declarations.closure): the step's result must be what an e-graph declaring
+(refine.prove.declarations.Declarations.closure): the step's result must be what an e-graph declaring
 everything gives. Programs are parsed a statement at a time (egglog's bindings copy the
 whole source into every span), and a check that refines does not import torch."""
 
@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from refine.check import check_files, engine_for
-from refine.ops.registry import end_of_atom, load_registry
+from refine.ops import sexp
+from refine.ops.registry import load_registry
+from refine.ops.sexp import Sym, head, parse_one, show
+from refine.prove import declarations
 from refine.prove import engine as prove
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -20,14 +23,14 @@ MODELS = Path(__file__).resolve().parent.parent / "models"
 
 def test_statements_cut_at_top_level_only() -> None:
     text = '(a (b "x)(" ) ; c)\n )\n; a comment (\n(push)\n (d "\\"(")'
-    assert prove._statements(text) == ['(a (b "x)(" ) ; c)\n )', "(push)", '(d "\\"(")']
+    assert sexp.statements(text) == ['(a (b "x)(" ) ; c)\n )', "(push)", '(d "\\"(")']
     # anything but statements between them: the whole text, for egglog to report
-    assert prove._statements("(a) x (b)") == ["(a) x (b)"]
-    assert prove._statements("(a") == ["(a"]
+    assert sexp.statements("(a) x (b)") == ["(a) x (b)"]
+    assert sexp.statements("(a") == ["(a"]
 
 
-def _decls() -> prove._Declarations:
-    return prove._Declarations.of("\n".join([
+def _decls() -> declarations.Declarations:
+    return declarations.Declarations.of("\n".join([
         "(sort T)",
         "(constructor D (String) T)", "(constructor A (T) T)", "(constructor B (T) T)",
         "(constructor C (T) T)", "(constructor E (T) T)", "(relation R (T))",
@@ -83,7 +86,7 @@ def test_grown_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monkey
     term, cost, tensors found, checks and rules fired; and some e-graph was grown."""
     compared = []
     grown: list[int] = []
-    solve, added = prove.Engine._solve, prove._Declarations.added
+    solve, added = prove.Engine._solve, declarations.Declarations.added
 
     def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
              early: bool = True):
@@ -93,13 +96,13 @@ def test_grown_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monkey
             compared.append(kept == solve(self, program, checks, iterations, early))
         return kept
 
-    def counted(self: prove._Declarations, have: prove._Need, need: prove._Need) -> list[str]:
+    def counted(self: declarations.Declarations, have: declarations.Need, need: declarations.Need) -> list[str]:
         out = added(self, have, need)
         grown.append(len(out))
         return out
 
     monkeypatch.setattr(prove.Engine, "_solve", both)
-    monkeypatch.setattr(prove._Declarations, "added", counted)
+    monkeypatch.setattr(declarations.Declarations, "added", counted)
     engine = engine_for(load_registry())
     monkeypatch.setattr(engine, "cache", {})
     monkeypatch.setattr(engine, "_graphs", {})
@@ -134,26 +137,23 @@ def _with_lets(program: str) -> str:
     out: list[str] = []
     k = 0
     for line in program.split("\n"):
-        head = next((h for h in ("(set (shape ", "(union ") if line.startswith(h)), None)
         if line == "(Mark $__seq)":
             out.append("(let $__mark (Mark $__seq))")
             continue
-        if head is None:
+        st = parse_one(line) if line.startswith(("(set (shape ", "(union ")) else None
+        if st is None:
             out.append(line)
             continue
-        at = len(head)
-        first = end_of_atom(line, at)
-        if head == "(union ":
-            at = first + 1
-            first = end_of_atom(line, at)
-        term = line[at:first]
-        if term.startswith(("(D ", "(Out ", "(Opq ")) or not term.startswith("("):
+        # the term a set shape (its shape's argument) or a union (its second side) states
+        term = st[1][1] if head(st) == "set" else st[2]
+        if head(term) in (None, "D", "Out", "Opq"):
             out.append(line)
         else:
-            out.append(f"(let $__l{k} {term})")
-            out.append(line[:at] + f"$__l{k}" + line[first:])
+            out.append(f"(let $__l{k} {show(term)})")
+            named = (st[0], (st[1][0], Sym(f"$__l{k}")), st[2]) if head(st) == "set" else (*st[:2], Sym(f"$__l{k}"))
+            out.append(show(named))
             k += 1
-        if head == "(union ":
+        if head(st) == "union":
             out.append(out[-1])
     return "\n".join(out)
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from fractions import Fraction
+from functools import partial
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
 from refine.ops.registry import Registry, load_registry
+from refine.ops.sexp import Sym, head, parse_cached
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -103,57 +103,18 @@ def max_err(a: Tensor, b: Tensor) -> float:
 
 
 # ---------------------------------------------------------------------------------------
-# Helper constructors that rule files declare in `DECLS` (partially applied ops mapped
-# over the terms of a sum, and the row-range embedding lookup). Their meaning, for terms
-# that hold them and for the rule checker.
-
-
-def _emb_rows(w: Tensor, ids: Tensor, s: int) -> Tensor:
-    """Rows [s, s + rows) of a table: ids in range look up row id - s, the rest give 0."""
-    ids = ids.long()
-    inside = (ids >= s) & (ids < s + w.shape[0])
-    local = torch.where(inside, ids - s, torch.zeros_like(ids))
-    out = torch.nn.functional.embedding(local, w)
-    return out.masked_fill(~inside.unsqueeze(-1), 0.0)
-
-
-def _gather_off(x: Tensor, i: Tensor, g: int, s: int) -> Tensor:
-    """Positions [s, s + n) along g of a gather (rules/loss.py): indices in range look up
-    position index - s of x, the others give 0."""
-    i = i.long()
-    inside = (i >= s) & (i < s + x.shape[g])
-    local = torch.where(inside, i - s, torch.zeros_like(i))
-    return torch.gather(x, g, local).masked_fill(~inside, 0.0)
+# Helper constructors that rule files declare (`refine.ops.registry.Helper`, a family's
+# HELPERS): their meaning, for terms that hold them and for the rule checker.
 
 
 def helper_semantics(registry: Registry) -> dict[str, Callable[..., Tensor]]:
     """Helper constructor name -> python function of its egglog arguments, in declaration
     order (tensors and plain values)."""
 
-    def ref(name: str) -> Callable[..., Tensor]:
+    def op(name: str) -> Callable[..., Tensor]:
         return lambda *a, **k: apply_op(registry, name, list(a), k)
 
-    return {
-        "ScaleBy": lambda r, x: ref("Scale")(x, factor=Fraction(r)),
-        "SliceBy": lambda d, s, e, x: ref("slice")(x, dim=d, start=s, end=e),
-        "ViewAs": lambda s, x: ref("view")(x, shape=tuple(s)),
-        "ExpandTo": lambda s, x: ref("expand")(x, shape=tuple(s)),
-        "TransposeBy": lambda i, j, x: ref("transpose")(x, dim0=i, dim1=j),
-        "MulBy": lambda y, x: ref("mul_t")(x, y),
-        "DivBy": lambda y, x: ref("div_t")(x, y),
-        "WhereZero": lambda c, z, x: ref("where_t")(c, x, z),  # rules/mask.py
-        "MatmulBy": lambda b, a: ref("matmul")(a, b),
-        "RsumBy": lambda d, x: ref("rsum")(x, dim=d),
-        "RmaxBy": lambda d, x: ref("rmax")(x, dim=d),
-        "RmeanBy": lambda d, x: ref("rmean")(x, dim=d),
-        "IndexPutBy": lambda i, sh, v: ref("index_put_acc")(i, v, shape=tuple(sh)),
-        "EmbRows": _emb_rows,
-        "GatherOff": _gather_off,
-        "SumHas": lambda e, a: a,  # an index entry (rules/structure.py), named by its term
-    }
-
-
-_DECL = re.compile(r"\(constructor\s+(\S+)\s+\(([^()]*)\)\s+T\b")
+    return {name: partial(h.meaning, op) for name, h in registry.helpers.items()}
 
 
 _HELPER_SORTS: dict[int, tuple[Registry, dict[str, tuple[str, ...]]]] = {}
@@ -166,9 +127,11 @@ def helper_sorts(registry: Registry) -> dict[str, tuple[str, ...]]:
         return hit[1]
     out: dict[str, tuple[str, ...]] = {}
     for d in registry.decls:
-        m = _DECL.search(d)
-        if m:
-            out[m.group(1)] = tuple(m.group(2).split())
+        for x in parse_cached(d):
+            # (constructor NAME (SORT...) T ...): a helper over tensors
+            if head(x) == "constructor" and len(x) >= 4 and isinstance(x[2], tuple) and x[3] == Sym("T") \
+                    and all(isinstance(s, Sym) for s in x[2]):
+                out[x[1].name] = tuple(s.name for s in x[2])
     _HELPER_SORTS[id(registry)] = (registry, out)
     return out
 

@@ -15,16 +15,17 @@ import importlib.util
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from refine.ir.graph import TensorType
-from refine.ir.term import parse_sexps
+from refine.ops.sexp import Sexp, SexpError, Sym, head, parse, parse_cached, parse_one, show
 
 # Attribute kinds and the egglog sort each one becomes. A `size` (a tensor extent or an
 # offset along a dim) is a `Dim`: i64 when every shape is concrete, a PyObject holding an
-# int or a `refine.ir.sizes.Sym` when some are symbolic (see `compile_text`).
+# int or a `refine.ir.sizes.Sym` when some are symbolic (see `refine.ops.sexp.emit`).
 ATTR_SORTS = {
     "int": "i64",
     "size": "Dim",
@@ -91,7 +92,7 @@ class Op:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    text: str  # one egglog command, with the size macros of `compile_text` unexpanded
+    text: str  # one egglog command, with the size macros of `refine.ops.sexp.emit` unexpanded
     family: str = ""
     doc: str = ""
     symbolic: bool = True  # also sound and expressible when sizes are symbolic
@@ -105,6 +106,74 @@ class Rule:
     # and the cases that need it pay for it alone
     needs: str = ""
 
+    @classmethod
+    def of(cls, name: str, command: Sexp, **kw: Any) -> Rule:
+        """A rule from its parsed command (its text is printed from it)."""
+        r = cls(name, show(command), **kw)
+        r.__dict__["command"] = command  # parsed already: `command` need not read the text back
+        return r
+
+    def in_family(self, family: str) -> Rule:
+        out = replace(self, family=family)
+        if "command" in self.__dict__:  # the same text: its parse holds
+            out.__dict__["command"] = self.command
+        return out
+
+    @cached_property
+    def command(self) -> Sexp:
+        """The command as an expression: `(rewrite lhs rhs [:when (conds)])` or
+        `(rule (query) (actions))`, read from `text` once."""
+        return parse_one(self.text)
+
+
+@dataclass(frozen=True)
+class Helper:
+    """A rule-internal constructor (cost HELPER: never extracted): an op partially applied,
+    mapped over the terms of a sum and rewritten to the op one iteration later, or an index
+    entry. `sorts` are its egglog argument sorts in order ("T" a tensor); `meaning(op,
+    *args)` is its value, for terms that hold it and for the rule checker: `op(name)` applies
+    a registry op's torch reference, the arguments come in declaration order."""
+
+    name: str
+    sorts: tuple[str, ...]
+    meaning: Callable[..., Any]
+    doc: str = ""
+
+    @property
+    def decl(self) -> str:
+        return f"(constructor {self.name} ({' '.join(self.sorts)}) T :cost {HELPER})"
+
+
+# An argument of a seed term the soundness harness builds: its shape, its kind ("f" any
+# float, "p" positive, "b" bool, "i" integer ids below the bound) and that bound.
+ArgSpec = tuple[tuple[int, ...], str, int]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """How the soundness harness applies one core op to random arguments (a family's
+    SAMPLES, by op name): `args(gen, x)` gives the argument specs and attributes of one
+    application, or None, drawing from `gen.rng` (`gen` a `refine.prove.harness.SeedGen`;
+    `x` random dims it drew first); `count` applications per harness instance (ops with
+    many forms get more). An op without one gets same-shape float arguments. The harness
+    also puts each argument in other forms, a concat among them: `concat_dim(gen, i,
+    attrs)` may choose the dim argument i is cut along (None: any)."""
+
+    args: Callable[[Any, tuple[int, ...]], tuple[list[ArgSpec], tuple[Any, ...]] | None]
+    count: int = 1
+    concat_dim: Callable[[Any, int, tuple[Any, ...]], int | None] | None = None
+
+
+@dataclass(frozen=True)
+class Fact:
+    """What a fact relation an analysis derives says (a family's FACTS, by relation name; the
+    relation is declared in its DECLS), for the soundness harness, which checks every fact
+    of every e-graph it reads back: `holds(value)` of its one tensor (`quant` "one"), or of
+    all / some of the terms of its multiset ("all", "any")."""
+
+    quant: str
+    holds: Callable[[Any], bool]
+
 
 @dataclass
 class Registry:
@@ -112,6 +181,9 @@ class Registry:
     rules: list[Rule] = field(default_factory=list)
     families: list[str] = field(default_factory=list)
     decls: list[str] = field(default_factory=list)  # egglog declarations rules rely on
+    helpers: dict[str, Helper] = field(default_factory=dict)  # families' HELPERS (declared in `decls` too)
+    samples: dict[str, Sample] = field(default_factory=dict)  # families' SAMPLES: op name -> harness sampler
+    facts: dict[str, Fact] = field(default_factory=dict)  # families' FACTS: relation name -> what it says
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
@@ -127,11 +199,28 @@ class Registry:
         for op in getattr(module, "OPS", []):
             if op.name in self.ops:
                 raise ValueError(f"rule family {name}: op {op.name!r} is already defined")
+            if op.egglog_shape:
+                _read(op.egglog_shape, f"rule family {name}: op {op.name}'s egglog_shape")
             self.ops[op.name] = _with_family(op, name)
             self.origins.setdefault(f"op {op.name}", file)
+        for h in getattr(module, "HELPERS", []):
+            if h.name in self.helpers:
+                raise ValueError(f"rule family {name}: helper {h.name!r} is already defined")
+            self.helpers[h.name] = h
+            self.decls.append(h.decl)
+            self.origins.setdefault(f"decl {h.decl}", file)
         for d in getattr(module, "DECLS", []):
+            _read(d, f"rule family {name}: a declaration")
             self.decls.append(d)
             self.origins.setdefault(f"decl {d}", file)
+        for op_name, sample in getattr(module, "SAMPLES", {}).items():
+            if op_name in self.samples:
+                raise ValueError(f"rule family {name}: op {op_name!r} already has a sampler")
+            self.samples[op_name] = sample
+        for rel, fact in getattr(module, "FACTS", {}).items():
+            if rel in self.facts:
+                raise ValueError(f"rule family {name}: fact {rel!r} is already defined")
+            self.facts[rel] = fact
         if callable(getattr(module, "SEEDS", None)):
             self.seeders.append((name, module.SEEDS))
         self._pending.append((name, getattr(module, "RULES", []), file))
@@ -141,7 +230,8 @@ class Registry:
         for name, rules, file in self._pending:
             made: Iterable[Rule] = rules(self) if callable(rules) else rules
             for r in made:
-                self.rules.append(replace(r, family=r.family or name))
+                _read(r, f"rule family {name}: rule {r.name}")
+                self.rules.append(r if r.family else r.in_family(name))
                 self.origins.setdefault(f"rule {r.name}", file)
         self._pending.clear()
         names = [r.name for r in self.rules]
@@ -155,6 +245,15 @@ class Registry:
 
     def of_kind(self, kind: str) -> list[Op]:
         return [op for op in self.ops.values() if op.kind == kind]
+
+
+def _read(x: str | Rule, what: str) -> None:
+    """Parse a declaration or rule once, at load: text that is no s-expression is refused
+    naming where it came from."""
+    try:
+        parse_cached(x) if isinstance(x, str) else x.command
+    except SexpError as e:
+        raise ValueError(f"{what}: {e}") from None
 
 
 def _with_family(op: Op, family: str) -> Op:
@@ -265,135 +364,58 @@ def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: 
             analysis: bool = False) -> Rule:
     """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
     d of x and `(ndim x)` its rank; both read the shape analysis. Sizes are compared and
-    computed with the macros of `compile_text`."""
-    lhs, rhs = _macros(lhs), _macros(rhs)
-    conds = [_macros(c) for c in when]
-    rhs, binds = _hoist(rhs)
+    computed with the macros of `refine.ops.sexp.emit`."""
+    left, right = _macros(parse_one(lhs)), _macros(parse_one(rhs))
+    conds = [_macros(c) for text in when for c in parse(text)]
+    right, binds = _hoist(right)
     if not binds:
-        text = f"(rewrite {lhs} {rhs}" + (f" :when ({' '.join(conds)})" if conds else "") + ")"
-        return Rule(name, text, doc=doc, symbolic=symbolic, analysis=analysis)
-    # egglog reads functions such as (shape x) in queries only: bind them there
-    query = " ".join([f"(= __e {lhs})", *conds, *binds])
-    return Rule(name, f"(rule ({query}) ((union __e {rhs})))", doc=doc, symbolic=symbolic, analysis=analysis)
+        cmd: Sexp = (Sym("rewrite"), left, right, *((Sym(":when"), tuple(conds)) if conds else ()))
+    else:
+        # egglog reads functions such as (shape x) in queries only: bind them there
+        e = Sym("__e")
+        cmd = (Sym("rule"), ((Sym("="), e, left), *conds, *binds), ((Sym("union"), e, right),))
+    return Rule.of(name, cmd, doc=doc, symbolic=symbolic, analysis=analysis)
 
 
 def rule(name: str, query: list[str], actions: list[str], doc: str = "", symbolic: bool = True,
          analysis: bool = False) -> Rule:
-    q = [_macros(x) for x in query]
-    acts = []
-    for a in actions:
-        a, binds = _hoist(_macros(a), start=len(acts) * 100)
-        q += binds
-        acts.append(a)
-    return Rule(name, f"(rule ({' '.join(q)}) ({' '.join(acts)}))", doc=doc, symbolic=symbolic, analysis=analysis)
+    q = [_macros(x) for text in query for x in parse(text)]
+    acts: list[Sexp] = []
+    for text in actions:
+        for a in parse(text):
+            a, binds = _hoist(_macros(a), start=len(acts) * 100)
+            q += binds
+            acts.append(a)
+    return Rule.of(name, (Sym("rule"), tuple(q), tuple(acts)), doc=doc, symbolic=symbolic, analysis=analysis)
 
 
-# ---------------------------------------------------------------------------------------
-# Sizes. Rules compute on sizes with (d+ a b) (d- a b) (d* a b) (d/ a b) (exact
-# division), test them with (d< a b) (d<= a b) (d> a b) (d>= a b) (d!= a b) and
-# (d-divides k n), and write size literals as (dim 3). Equal sizes are equal values, so
-# `=` and repeated pattern variables need no macro. With concrete shapes these are i64
-# primitives; with symbolic ones, calls into `refine.ir.sizes`, whose tests hold only when
-# proven for every value of the symbols (Z3 decides what the fast check cannot).
-
-_I64 = {"d+": "+", "d-": "-", "d*": "*", "d/": "/", "d<": "<", "d<=": "<=", "d>": ">", "d>=": ">=", "d!=": "!="}
-_PY_VALUE = {"d+": "add", "d-": "sub", "d*": "mul", "d/": "div"}
-_PY_TEST = {"d<": "lt", "d<=": "le", "d>": "gt", "d>=": "ge", "d!=": "ne", "d-divides": "divides"}
-
-
-def dims_prelude() -> str:
-    """The egglog globals the symbolic macros call."""
-    names = sorted(set(_PY_VALUE.values()) | set(_PY_TEST.values()))
-    return "\n".join(f"(let $dims_{n} (py-eval \"__import__('refine.ir.sizes', fromlist=['{n}']).{n}\" "
-                     "(py-dict) (py-dict)))" for n in names)
-
-
-def compile_text(text: str, symbolic: bool) -> str:
-    """Expand the size macros (and the sort name `Dim`) of egglog text for one mode."""
-    if not any(m in text for m in ("(d", "Dim")):
-        return text
-    return " ".join(_emit(x, symbolic) for x in parse_sexps(text))
-
-
-def _emit(x: Any, py: bool) -> str:
-    if isinstance(x, str):
-        return ("PyObject" if py else "i64") if x == "Dim" else x
-    if not x:
-        return "()"
-    head, args = x[0], [_emit(a, py) for a in x[1:]]
-    if not isinstance(head, str):
-        return "(" + " ".join([_emit(head, py), *args]) + ")"
-    if head == "dim":
-        (n,) = args
-        return f"(py-from-int {n})" if py else n
-    if head == "d-divides":
-        k, n = args
-        return f"(= true (py-to-bool (py-call $dims_divides {k} {n})))" if py else f"(= 0 (% {n} {k}))"
-    if head in _PY_VALUE:
-        return f"(py-call $dims_{_PY_VALUE[head]} {' '.join(args)})" if py else f"({_I64[head]} {' '.join(args)})"
-    if head in _PY_TEST:
-        return f"(= true (py-to-bool (py-call $dims_{_PY_TEST[head]} {' '.join(args)})))" if py \
-            else f"({_I64[head]} {' '.join(args)})"
-    return "(" + " ".join([_emit(head, py), *args]) + ")"
-
-
-def _hoist(text: str, start: int = 0) -> tuple[str, list[str]]:
+def _hoist(x: Sexp, start: int = 0) -> tuple[Sexp, list[Sexp]]:
     """Replace each `(shape X)` with a variable bound by a query fact."""
-    binds: list[str] = []
-    seen: dict[str, str] = {}
-    out = []
-    i = 0
-    while i < len(text):
-        if text.startswith("(shape ", i):
-            j = end_of_atom(text, i)
-            expr = text[i:j]
-            if expr not in seen:
-                seen[expr] = f"__s{start + len(seen)}"
-                binds.append(f"(= {seen[expr]} {expr})")
-            out.append(seen[expr])
-            i = j
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out), binds
+    binds: list[Sexp] = []
+    seen: dict[Sexp, Sym] = {}
+
+    def walk(y: Sexp) -> Sexp:
+        if not isinstance(y, tuple):
+            return y
+        if head(y) == "shape":
+            if y not in seen:
+                seen[y] = Sym(f"__s{start + len(seen)}")
+                binds.append((Sym("="), seen[y], y))
+            return seen[y]
+        return tuple(walk(z) for z in y)
+
+    return walk(x), binds
 
 
-def _macros(text: str) -> str:
-    # (size x d) -> (vec-get (shape x) d); (ndim x) -> (vec-length (shape x))
-    out = []
-    i = 0
-    while i < len(text):
-        if text.startswith("(size ", i):
-            out.append("(vec-get (shape ")
-            i += len("(size ")
-            j = end_of_atom(text, i)
-            out.append(text[i:j] + ")")
-            i = j
-        elif text.startswith("(ndim ", i):
-            out.append("(vec-length (shape ")
-            i += len("(ndim ")
-            j = end_of_atom(text, i)
-            out.append(text[i:j] + "))")
-            i = j
-            # skip the closing paren of (ndim x)
-            assert text[i] == ")", text
-            i += 1
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
-def end_of_atom(text: str, i: int) -> int:
-    if text[i] == "(":
-        depth = 0
-        for j in range(i, len(text)):
-            depth += text[j] == "("
-            depth -= text[j] == ")"
-            if depth == 0:
-                return j + 1
-        raise ValueError(f"unbalanced rule text: {text}")
-    j = i
-    while j < len(text) and text[j] not in " )":
-        j += 1
-    return j
+def _macros(x: Sexp) -> Sexp:
+    """(size x d) -> (vec-get (shape x) d); (ndim x) -> (vec-length (shape x))."""
+    if not isinstance(x, tuple):
+        return x
+    h = head(x)
+    if h == "size":
+        _, t, *rest = x
+        return (Sym("vec-get"), (Sym("shape"), _macros(t)), *map(_macros, rest))
+    if h == "ndim":
+        _, t = x
+        return (Sym("vec-length"), (Sym("shape"), _macros(t)))
+    return tuple(_macros(y) for y in x)

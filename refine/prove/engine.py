@@ -40,9 +40,17 @@ from refine.ops.registry import (
     LEAF,
     LEAF_OUT,
     Registry,
-    compile_text,
-    dims_prelude,
-    end_of_atom,
+)
+from refine.ops.sexp import Sexp, Str, dims_prelude, heads_in, parse_cached, statements, with_option
+from refine.prove.declarations import (
+    PLAIN_HEADS,
+    Declarations,
+    Need,
+    canonical,
+    in_ruleset,
+    record_shapes,
+    record_shapes_text,
+    rename,
 )
 from refine.prove.egg import bindings
 from refine.prove.reuse import Premises, Replayer, StepResult
@@ -132,9 +140,9 @@ class Engine:
         self._parsed: dict[str, list] = {}
         self._full: bindings.EGraph | None = None
         decls = self.declarations()
-        self._decls = _Declarations.of(_record_shapes(decls) if self.audit_shapes else decls)
+        self._decls = Declarations.of(record_shapes(decls) if self.audit_shapes else decls, self.symbolic)
         # e-graphs by the rules and tables they declare, least recently used first
-        self._graphs: dict[_Need, bindings.EGraph] = {}
+        self._graphs: dict[Need, bindings.EGraph] = {}
 
     @property
     def eg(self) -> bindings.EGraph:
@@ -144,17 +152,17 @@ class Engine:
             self._full = self._declare(self._decls.everything())
         return self._full
 
-    def _declare(self, need: _Need) -> bindings.EGraph:
+    def _declare(self, need: Need) -> bindings.EGraph:
         eg = bindings.EGraph()
         eg.run_program(*self._commands(self._decls.program(need), eg))
         return eg
 
-    def _graph(self, need: _Need) -> bindings.EGraph:
+    def _graph(self, need: Need) -> bindings.EGraph:
         """An e-graph declaring what `need` says and maybe a little more. An e-graph is
         cloned at each step's push and dropped at its pop, at a cost that grows with the
         rules and tables declared (most of a step's time with all of them); building one
         costs a few pushes, so a kept one with up to twice the rules is taken."""
-        best: _Need | None = None
+        best: Need | None = None
         for key in self._graphs:
             if need.within(key) and len(key.rules) <= 2 * len(need.rules) + GRAPH_SLACK and \
                     (best is None or key.size < best.size):
@@ -168,7 +176,7 @@ class Engine:
         # fewest added rules within the same bound. Its rules are then in another order
         # than in a fresh one: a rule iteration finds the same matches in any order, so
         # the e-graph holds the same equalities; only ties among cheapest terms may differ.
-        grow: _Need | None = None
+        grow: Need | None = None
         for key in self._graphs:
             union = key.rules | need.rules
             if len(union) <= 2 * len(need.rules) + GRAPH_SLACK and \
@@ -176,7 +184,7 @@ class Engine:
                 grow = key
         if grow is not None and len(need.rules - grow.rules) < len(need.rules):
             eg = self._graphs.pop(grow)
-            best = _Need(grow.rules | need.rules, grow.tables | need.tables)
+            best = Need(grow.rules | need.rules, grow.tables | need.tables)
             eg.run_program(*self._commands(self._decls.added(grow, best), eg))
         else:
             if len(self._graphs) >= GRAPHS:
@@ -186,7 +194,10 @@ class Engine:
         self._graphs[best] = eg
         return eg
 
-    def declarations(self) -> str:
+    def declarations(self) -> list[Sexp]:
+        """Every declaration and rule as an expression, size macros unexpanded: the sorts and
+        tables, the core ops' constructors, the families' declarations, the shape rules (in
+        the `shapes` ruleset) and the rules this engine runs."""
         lines = [
             "(sort T)", "(sort TS (MultiSet T))", "(sort IV (Vec Dim))", "(sort TF (UnstableFn (T) T))",
             f"(constructor D (String) T :cost {LEAF})",
@@ -199,35 +210,34 @@ class Engine:
         for name, op in self.core.items():
             args = "TS" if op.kind == "nary" else " ".join(["T"] * op.inputs + list(self.sorts[name]))
             lines.append(f"(constructor {name} ({args}) T :cost {op.cost})")
-        lines += self.registry.decls
-        lines.append("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))")
-        lines.append("(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
+        out = [x for line in lines for x in parse_cached(line)]
+        out += [x for d in self.registry.decls for x in parse_cached(d)]
+        out += parse_cached("(rule ((= m (Mark x)) (= x (D n))) ((Found n)))\n"
+                            "(rule ((= x (D a)) (= x (D b)) (!= a b)) ((Same a b)))")
         if self.audit_shapes:
-            lines.append("(relation ShapeSeen (T IV))")
-            lines.append("(relation ShapeConflict (T IV IV))")
-            lines.append("(ruleset audit)")
-            lines.append("(rule ((ShapeSeen e a) (ShapeSeen e b) (!= a b)) ((ShapeConflict e a b)) :ruleset audit)")
+            out += parse_cached("(relation ShapeSeen (T IV))\n(relation ShapeConflict (T IV IV))\n(ruleset audit)\n"
+                                "(rule ((ShapeSeen e a) (ShapeSeen e b) (!= a b)) ((ShapeConflict e a b)) "
+                                ":ruleset audit)")
         for op in self.core.values():
             if op.egglog_shape:
-                lines.append(_in_ruleset(op.egglog_shape, "shapes"))
+                out += [in_ruleset(x, "shapes") for x in parse_cached(op.egglog_shape)]
             elif op.kind in ("unary", "elementwise"):
                 # same-shape ops: the result has its first argument's shape
                 xs = " ".join(f"x{i}" for i in range(op.inputs)) + "".join(f" a{i}" for i in range(len(op.attrs)))
-                lines.append(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) :ruleset shapes)")
+                out += parse_cached(f"(rule ((= e ({op.name} {xs})) (= s (shape x0))) ((set (shape e) s)) "
+                                    ":ruleset shapes)")
         for r in self.registry.rules:
             if self.symbolic and not r.symbolic or r.needs and r.needs not in self.features:
                 continue
-            text = r.text[:-1] + f' :name "{r.name}")'  # egglog reports matches by this name
-            if r.analysis:
-                text = _in_ruleset(text, "shapes")
-            lines.append(text)
-        prelude = [dims_prelude()] if self.symbolic else []
-        return "\n".join(prelude + [compile_text(x, self.symbolic) for x in lines])
+            cmd = with_option(r.command, ":name", Str(r.name))  # egglog reports matches by this name
+            out.append(in_ruleset(cmd, "shapes") if r.analysis else cmd)
+        prelude = [x for line in dims_prelude() for x in parse_cached(line)] if self.symbolic else []
+        return prelude + out
 
     def _run(self, program: str, eg: bindings.EGraph | None = None) -> list:
         eg = self.eg if eg is None else eg
         if self.audit_shapes:
-            program = _record_shapes(program)
+            program = record_shapes_text(program)
         try:
             return eg.run_program(*self._parse(program, eg))
         except bindings.EggSmolError as e:  # pragma: no cover - a bug in a rule file or here
@@ -242,7 +252,7 @@ class Engine:
         try:
             return self._commands(program.split("\n"), eg)
         except bindings.EggSmolError:
-            return self._commands(_statements(program), eg)
+            return self._commands(statements(program), eg)
 
     def _commands(self, statements: Iterable[str], eg: bindings.EGraph) -> list:
         """Statements repeat across steps (canonical leaf names), so their commands are kept."""
@@ -290,7 +300,7 @@ class Engine:
         em.lines.append("(Mark $__seq)")
         check_texts = [f"$__check{i}" for i in range(len(checks))] if both else \
             [em.term(c, typed=False, inline=True) for c in checks]
-        canon, names = _canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
+        canon, names = canonical("\n".join(em.lines) + "\n;checks\n" + "\n".join(check_texts))
         key = hashlib.sha256(f"{iterations}{'' if early else ' late'}\n{canon}".encode()).hexdigest() \
             if iterations or not early else \
             hashlib.sha256(canon.encode()).hexdigest()
@@ -304,7 +314,7 @@ class Engine:
         else:
             self.stats["reused"] += 1
         back = {v: k for k, v in names.items()}
-        best = _rename(hit.best, back)
+        best = rename(hit.best, back)
         found = [back[f][1] for f in hit.found if f in back and back[f][0] == "D"]
         named = {back[x][1] for x in hit.best.leaves() if back[x][0] == "D"}
         same = [(back[a][1], back[b][1]) for a, b in hit.same if back[a][1] in named]
@@ -319,10 +329,10 @@ class Engine:
         return StepResult(best, hit.cost, found, list(hit.checks), dt, premises, same, hit.bounded)
 
     def _solve(self, program: str, checks: list[str], iterations: int = ITERATIONS, early: bool = True) -> _Solved:
-        # the rules whose queries can match in this e-graph (_Declarations.closure): any
+        # the rules whose queries can match in this e-graph (Declarations.closure): any
         # other never fires, so the step's e-graph and result are the same without them
         told = program + "\n" + "\n".join(checks)
-        eg = self._graph(self._decls.closure(_record_shapes(told) if self.audit_shapes else told))
+        eg = self._graph(self._decls.closure(record_shapes_text(told) if self.audit_shapes else told))
         self._run("(push)", eg)
         try:
             self._run(program, eg)
@@ -392,8 +402,7 @@ class Engine:
         hold, as it is. A clean term with another op over rank tensors (a scale, a view, an
         expand of a concat) is often later found to be a concat of other rank tensors, and
         its users then need far fewer rewrites: such a step runs the whole bound."""
-        heads = set(_HEAD.findall(best.termdag.to_string(best.term)))
-        return heads <= _PLAIN_HEADS
+        return heads_in(best.termdag.to_string(best.term)) <= PLAIN_HEADS
 
 
 @dataclass
@@ -436,243 +445,6 @@ def _memory() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]')
-_GAP = re.compile(r"(?:\s|;[^\n]*)*")
-
-
-def _statements(text: str) -> list[str]:
-    """`text` cut into its top-level parenthesised statements; the whole text as one when
-    anything else stands between them (egglog then reports it)."""
-    out: list[str] = []
-    depth, start, end = 0, 0, 0
-    for m in _TOKEN.finditer(text):
-        tok = m.group()
-        if tok == "(":
-            if depth == 0:
-                if not _GAP.fullmatch(text, end, m.start()):
-                    return [text]
-                start = m.start()
-            depth += 1
-        elif tok == ")":
-            depth -= 1
-            if depth == 0:
-                out.append(text[start:m.end()])
-                end = m.end()
-            elif depth < 0:
-                return [text]
-    if depth or not _GAP.fullmatch(text, end):
-        return [text]
-    return out
-
-
-_RULE_HEADS = ("rule", "rewrite", "birewrite")
-_NAME = re.compile(r'"((?:[^"\\]|\\.)*)"|([^\s()";]+)')
-
-
-@dataclass(frozen=True)
-class _Direction:
-    rule: int
-    needs: frozenset[str]  # the tables a match reads: a rule never fires while one is empty
-    makes: frozenset[str]  # the tables its actions may add to
-
-
-@dataclass(frozen=True)
-class _Need:
-    """What a step's e-graph must declare: the rules that can fire in it and every table
-    the program, those rules and the engine's own commands name."""
-
-    rules: frozenset[int]
-    tables: frozenset[str]
-
-    def within(self, other: _Need) -> bool:
-        return self.rules <= other.rules and self.tables <= other.tables
-
-    @property
-    def size(self) -> int:
-        return len(self.rules) + len(self.tables)
-
-
-_ENGINE_TABLES = frozenset({"Found", "Same", "Mark", "D", "Out", OPAQUE, "shape", "ShapeConflict"})  # named by Engine itself
-
-
-@dataclass
-class _Declarations:
-    """The engine's declarations, cut into statements, and what each rule reads and
-    writes, to run a step with only the rules that can fire in it.
-
-    Why that changes nothing: a rule's query looks up every table at the head of one of
-    its atoms, so it has no match while one of them is empty; the tables a step's e-graph
-    can ever fill are those its program names and those the actions of rules that can
-    match write, a least fixpoint (`closure`). Every other rule never fires, and every
-    other table stays empty, in that e-graph as in one declaring everything; what is
-    declared keeps its order. Tables a declaration names (a merge calling another) count
-    as written with it, and tables other top-level statements name as always written."""
-
-    statements: list[tuple[str, int | None, str | None]]  # (text, its rule's index, the table it declares)
-    rules: list[str]
-    tables: frozenset[str]  # every constructor, function and relation
-    directions: list[_Direction]
-    named: list[frozenset[str]]  # per rule, every table it names
-    waiting: dict[str, list[int]] = field(default_factory=dict)  # table -> directions that need it
-    deps: dict[str, frozenset[str]] = field(default_factory=dict)  # table -> other tables its declaration names
-    always: frozenset[str] = frozenset()  # tables named by top-level statements other than rules and declarations
-    closures: dict[frozenset[str], _Need] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, text: str) -> _Declarations:
-        statements: list[tuple[str, int | None, str | None]] = []
-        rules: list[str] = []
-        parsed = []
-        tables: set[str] = set()
-        others: list[str] = []
-        for st in _statements(text):
-            sx = _sexp(st)
-            head = sx[0] if sx else None
-            if head in _RULE_HEADS:
-                statements.append((st, len(rules), None))
-                rules.append(st)
-                parsed.append(sx)
-            elif head in ("constructor", "function", "relation"):
-                statements.append((st, None, sx[1]))
-                tables.add(sx[1])
-            else:
-                statements.append((st, None, None))
-                others.append(st)
-        deps = {t: frozenset(_names(st) & tables) - {t} for st, _, t in statements if t is not None}
-        always = frozenset(x for st in others for x in _names(st) & tables)
-        directions = [d for i, sx in enumerate(parsed) for d in _directions(i, sx, tables)]
-        named = [frozenset(_names(r) & tables) for r in rules]
-        waiting: dict[str, list[int]] = {}
-        for k, d in enumerate(directions):
-            for t in d.needs:
-                waiting.setdefault(t, []).append(k)
-        return cls(statements, rules, frozenset(tables), directions, named, waiting,
-                   {t: d for t, d in deps.items() if d}, always)
-
-    def everything(self) -> _Need:
-        return _Need(frozenset(range(len(self.rules))), self.tables)
-
-    def program(self, need: _Need) -> list[str]:
-        return [st for st, i, t in self.statements if (i is None or i in need.rules) and (t is None or t in need.tables)]
-
-    def added(self, have: _Need, need: _Need) -> list[str]:
-        """The statements declaring what `need` has and `have` lacks, in their order."""
-        return [st for st, i, t in self.statements
-                if (i is not None and i in need.rules and i not in have.rules) or
-                (t is not None and t in need.tables and t not in have.tables)]
-
-    def closure(self, program: str) -> _Need:
-        """The rules that can fire on an e-graph holding `program` and the tables they and
-        it name."""
-        have = frozenset(_names(program) & self.tables)
-        hit = self.closures.get(have)
-        if hit is not None:
-            return hit
-        # a worklist: each table, once known, counts down the needs of the rules waiting on it
-        known = set(have | self.always)
-        todo = list(known)
-        left = [len(d.needs) for d in self.directions]
-        ready = [k for k, n in enumerate(left) if n == 0]
-        on: set[int] = set()
-        while ready or todo:
-            while ready:
-                d = self.directions[ready.pop()]
-                on.add(d.rule)
-                for t in d.makes - known:
-                    known.add(t)
-                    todo.append(t)
-            if todo:
-                t = todo.pop()
-                for u in self.deps.get(t, frozenset()) - known:
-                    known.add(u)
-                    todo.append(u)
-                for k in self.waiting.get(t, ()):
-                    left[k] -= 1
-                    if left[k] == 0:
-                        ready.append(k)
-        for i in on:
-            known |= self.named[i]
-        known |= _ENGINE_TABLES & self.tables
-        todo = list(known)
-        while todo:  # what the declared tables' declarations name
-            for u in self.deps.get(todo.pop(), frozenset()) - known:
-                known.add(u)
-                todo.append(u)
-        need = _Need(frozenset(on), frozenset(known))
-        self.closures[have] = need
-        return need
-
-
-def _sexp(text: str) -> list:
-    """One s-expression as nested lists of atoms (strings keep their quotes)."""
-    stack: list[list] = [[]]
-    for m in _ATOM.finditer(text):
-        tok = m.group()
-        if tok.startswith(";"):
-            continue
-        if tok == "(":
-            stack.append([])
-        elif tok == ")":
-            done = stack.pop()
-            stack[-1].append(done)
-        else:
-            stack[-1].append(tok)
-    return stack[-1][0] if stack[-1] else []
-
-
-_ATOM = re.compile(r'"(?:[^"\\]|\\.)*"|;[^\n]*|[()]|[^\s()";]+')
-
-
-def _heads(sx: object, tables: frozenset[str] | set[str]) -> set[str]:
-    """The tables `sx` looks up: the heads of its lists that are tables."""
-    out: set[str] = set()
-    todo = [sx]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, list):
-            if x and isinstance(x[0], str) and x[0] in tables:
-                out.add(x[0])
-            todo.extend(x)
-    return out
-
-
-def _names(text: str) -> set[str]:
-    """Every atom and string of `text` (what it may name: a table, also through `unstable-fn`)."""
-    return {a or b for a, b in _NAME.findall(text)}
-
-
-def _directions(i: int, sx: list, tables: set[str]) -> list[_Direction]:
-    """A rule's query/actions, a rewrite's left side (and conditions)/right side, and a
-    birewrite's both ways. What a side writes counts every table it names at all."""
-    head, *rest = sx
-    opts = {rest[k]: rest[k + 1] for k in range(2, len(rest) - 1) if isinstance(rest[k], str) and rest[k].startswith(":")}
-    when = opts.get(":when", [])
-
-    def writes(x: object) -> frozenset[str]:
-        flat: list[str] = []
-        todo = [x]
-        while todo:
-            y = todo.pop()
-            if isinstance(y, list):
-                todo.extend(y)
-            else:
-                flat.append(y.strip('"'))
-        return frozenset(t for t in flat if t in tables)
-
-    if head == "rule":
-        return [_Direction(i, frozenset(_heads(rest[0], tables)), writes(rest[1]))]
-    lhs, rhs = rest[0], rest[1]
-    cond = _heads(when, tables)
-    out = [_Direction(i, frozenset(_heads(lhs, tables) | cond), writes(rhs))]
-    if head == "birewrite":
-        out.append(_Direction(i, frozenset(_heads(rhs, tables) | cond), writes(lhs)))
-    return out
-
-
-_HEAD = re.compile(r"\((\S+)")
-_PLAIN_HEADS = frozenset({"D", "Out", "cat", "Sum", "multiset-of"})
-
-
 @dataclass(frozen=True)
 class _Solved:
     """A step's result over canonical leaf names, as the cache keeps it."""
@@ -684,50 +456,6 @@ class _Solved:
     fired: Counter[str]
     same: tuple[tuple[str, str], ...] = ()
     bounded: bool = False
-
-
-_LEAF = re.compile(r'\((D|Out|Opq) ("[^"]*")\)')  # strings made by `quote` hold no quote
-_PREFIX = {"D": "t", "Out": "o", OPAQUE: "u"}
-
-
-def _canonical(text: str) -> tuple[str, dict[tuple[str, str], str]]:
-    """`text` with each leaf name replaced by its order of first appearance (per leaf kind)."""
-    names: dict[tuple[str, str], str] = {}
-
-    def sub(m: re.Match[str]) -> str:
-        key = (m.group(1), unquote(m.group(2)))
-        if key not in names:
-            names[key] = f"{_PREFIX[key[0]]}{len(names)}"
-        return f"({key[0]} {quote(names[key])})"
-
-    return _LEAF.sub(sub, text), names
-
-
-def _rename(t: Term, back: dict[str, tuple[str, str]]) -> Term:
-    if t.op in LEAF_OPS or t.op == OPAQUE:
-        return Term(t.op, (), (back[t.attrs[0]][1],))
-    return Term(t.op, tuple(_rename(a, back) for a in t.args), t.attrs)
-
-
-def _record_shapes(text: str) -> str:
-    """Each `(set (shape X) S)` of egglog text followed by `(ShapeSeen X S)` (SHAPE_AUDIT)."""
-    out: list[str] = []
-    i = 0
-    while (j := text.find("(set (shape ", i)) >= 0:
-        end = end_of_atom(text, j)
-        x_at = j + len("(set ")
-        x_end = end_of_atom(text, x_at)
-        target = text[x_at + len("(shape "):x_end - 1]
-        value = text[x_end:end - 1].strip()
-        out.append(text[i:end] + f" (ShapeSeen {target} {value})")
-        i = end
-    out.append(text[i:])
-    return "".join(out)
-
-
-def _in_ruleset(text: str, ruleset: str) -> str:
-    assert text.endswith(")")
-    return text[:-1] + f" :ruleset {ruleset})"
 
 
 INLINE_CHARS = 2000  # a typed term up to this long is written out in full, a longer one named by a let

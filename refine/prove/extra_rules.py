@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from refine.ir.errors import InputError
-from refine.ir.term import parse_sexps
 from refine.ops.registry import Op, Registry, Rule, builtin_rules_dir, load_registry
+from refine.ops.sexp import SexpError, head, parse, show
 
 FORMAT = 1
 CACHE_ENV = "REFINE_CACHE_DIR"
@@ -297,7 +297,7 @@ def _check_decls(registry: Registry, decls: list[str]) -> list[Finding]:
     out = []
     for d in decls:
         try:
-            heads = [x[0] if isinstance(x, list) and x else x for x in parse_sexps(d)]
+            heads = [head(x) or show(x) for x in parse(d)]
         except Exception as e:  # noqa: BLE001 - unreadable: egglog will not take it either
             heads = [f"unreadable ({e})"]
         bad = [h for h in heads if h not in DECLARATIONS]
@@ -311,15 +311,14 @@ def _check_decls(registry: Registry, decls: list[str]) -> list[Finding]:
 def _sets_shapes_only(text: str) -> bool:
     """An egglog_shape: one `(rule (query) (actions))` whose actions only set `(shape ...)`."""
     try:
-        cmds = parse_sexps(text)
-    except Exception:  # noqa: BLE001
+        cmds = parse(text)
+    except SexpError:
         return False
-    if len(cmds) != 1 or not isinstance(cmds[0], list) or len(cmds[0]) < 3 or cmds[0][0] != "rule":
+    if len(cmds) != 1 or head(cmds[0]) != "rule" or len(cmds[0]) < 3:
         return False
     actions = cmds[0][2]
-    return isinstance(actions, list) and all(
-        isinstance(a, list) and len(a) == 3 and a[0] == "set" and isinstance(a[1], list) and a[1][:1] == ["shape"]
-        for a in actions)
+    return isinstance(actions, tuple) and all(
+        head(a) == "set" and len(a) == 3 and head(a[1]) == "shape" for a in actions)
 
 
 def _check_ops(registry: Registry, ops: list[Op]) -> list[Finding]:

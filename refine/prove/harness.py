@@ -19,8 +19,8 @@
    e-node must equal (allclose, float64) the e-class's value, the shape analysis must agree
    with the evaluated shape of its e-class, and the analyses must be right: prefix products
    (`pp`), the index of the terms of each sum (`SumHas`: a term of a sum of that class;
-   `SumPair`: a class holding the sum of two terms) and the facts of `FACTS` (`NonNeg`,
-   rules/vector_norm.py: no element negative). Any difference can only come from the one
+   `SumPair`: a class holding the sum of two terms) and the facts the families' FACTS
+   say (`NonNeg`, rules/vector_norm.py: no element negative). Any difference can only come from the one
    rule in the e-graph.
 4. **Coverage.** A rule that never changed its e-graph was not tested: it is reported.
 """
@@ -42,9 +42,11 @@ import torch
 from egglog import bindings
 
 from refine.ir.graph import TensorType
-from refine.ir.term import Term, lit, parse_sexp, quote
+from refine.ir.term import Term, lit, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
-from refine.ops.registry import Registry, Rule, ShapeError, compile_text
+from refine.ops.registry import ArgSpec, Registry, Rule, ShapeError
+from refine.ops.sexp import Sexp, Str, Sym, emit, head
+from refine.prove.declarations import in_ruleset
 from refine.prove.engine import Engine
 
 ITERATIONS = 3
@@ -197,109 +199,20 @@ class SeedGen:
 
     # -- op instances
 
-    def instance(self, name: str) -> tuple[list[tuple[tuple[int, ...], str, int]], tuple[Any, ...]] | None:
-        """Argument specs (shape, kind, bound) and attributes of a random application."""
+    def instance(self, name: str) -> tuple[list[ArgSpec], tuple[Any, ...]] | None:
+        """Argument specs (shape, kind, bound) and attributes of a random application: the
+        op's family's sampler (`refine.ops.registry.Sample`, a family's SAMPLES) if it has
+        one, else same-shape float arguments."""
         r = self.rng
         op = self.core[name]
         x = self.dims()
-        unary_pos = {"log_t", "sqrt_t", "rsqrt_t", "reciprocal_t"}
+        sample = self.registry.samples.get(name)
+        if sample is not None:
+            return sample.args(self, x)
         if op.kind == "unary":
-            if name == "cast_float_t":  # bool masks and small integers, as the casts it stands for
-                return [(x, r.choice(["b", "i"]), 7)], ()
-            if name == "Scale":
-                return [(x, "f", 0)], (r.choice([Fraction(1), Fraction(-1, 2), Fraction(3), Fraction(2, 3)]),)
-            kind = "p" if name in unary_pos else "b" if name == "logical_not_t" else "f"
-            attrs: tuple[Any, ...] = ()
-            if name == "gelu_t":
-                attrs = (r.choice(["none", "tanh"]),)
-            elif name == "clamp_t":
-                attrs = r.choice([(-0.5, 0.5), (-math.inf, 0.0), (0.0, math.inf)])
-            return [(x, kind, 0)], attrs
+            return [(x, "f", 0)], ()
         if op.kind == "elementwise":
-            if name in ("logical_or_t", "logical_and_t"):
-                return [(x, "b", 0), (x, "b", 0)], ()
-            if name == "masked_fill_t":
-                return [(x, "f", 0), (x, "b", 0)], (r.choice([0.0, -1.5]),)
-            if name == "where_t":
-                return [(x, "b", 0), (x, "f", 0), (x, "f", 0)], ()
-            if name == "pow_t":
-                return [(x, "p", 0), (x, "f", 0)], ()
-            if name == "div_t":
-                return [(x, "f", 0), (x, "p", 0)], ()
             return [(x, "f", 0), (x, "f", 0)], ()
-        if name == "embedding":
-            v, h = r.choice([2, 3, 4, 5]), r.choice([1, 2, 3])
-            return [((v, h), "f", 0), (self.dims(r.choice([1, 2])), "i", v)], ()
-        if name == "matmul":
-            m, k, n = self.dims(3)
-            batch = self.dims(r.choice([0, 1, 1, 2]))
-            b = batch + (k, n) if batch and r.random() < 0.5 else (k, n)
-            return [(batch + (m, k), "f", 0), (b, "f", 0)], ()
-        if name in ("gather", "scatter_value"):
-            x = self.dims(r.choice([1, 2, 2, 3]))
-            d = r.randrange(len(x))
-            idx = list(x)
-            idx[d] = r.choice([1, 2, 3])
-            if len(x) > 1 and r.random() < 0.25:  # an index smaller than x on another dim
-                j = r.choice([i for i in range(len(x)) if i != d])
-                idx[j] = r.randint(1, x[j])
-            attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
-            return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
-        if name in ("topk_values", "topk_indices"):
-            d = r.randrange(len(x))
-            return [(x, "f", 0)], (r.randint(1, x[d]), d)
-        if name in ("scatter_src", "scatter_acc"):  # index and src of one shape, no larger than the target
-            x = self.dims(r.choice([1, 2, 2, 3]))
-            d = r.randrange(len(x))
-            idx = list(x)
-            idx[d] = r.choice([1, 2, 3])
-            if len(x) > 1 and r.random() < 0.25:
-                j = r.choice([i for i in range(len(x)) if i != d])
-                idx[j] = r.randint(1, x[j])
-            args = [(tuple(idx), "i", x[d]), (tuple(idx), "f", 0)]
-            return ([(x, "f", 0)] + args, (d,)) if name == "scatter_src" else (args, (d, x))
-        if name == "index_put_acc":
-            idx = self.dims(r.choice([1, 1, 2]))
-            trailing = self.dims(r.choice([0, 1, 1, 2]))
-            rows = r.choice([2, 3, 4, 5])
-            return [(idx, "i", rows), (idx + trailing, "f", 0)], ((rows,) + trailing,)
-        if name == "layer_norm_rstd_c":
-            return [(x, "f", 0)], (r.choice([1e-5, 0.5]),)
-        if name == "arange_c":
-            start, step, n = r.randint(0, 3), r.choice([1, 1, 2, 3]), r.randint(1, 5)
-            return [], (start, start + (n - 1) * step + r.randint(1, step), step)
-        if name in ("softmax", "log_softmax", "rsum", "rmax", "rmean"):
-            return [(x, "f", 0)], (r.randrange(len(x)),)
-        if name in ("layer_norm_c", "rms_norm_c"):
-            k = r.choice([1, 1, len(x)])
-            w = x[len(x) - k:]
-            args = [(x, "f", 0), (w, "f", 0)] + ([(w, "f", 0)] if name == "layer_norm_c" else [])
-            return args, (k, 1e-5)
-        if name == "cat":
-            d = r.randrange(len(x))
-            y = x[:d] + (r.choice([1, 2, 3]),) + x[d + 1:]
-            return [(x, "f", 0), (y, "f", 0)], (d,)
-        if name == "slice":
-            d = r.randrange(len(x))
-            s = r.randint(0, x[d] - 1)
-            e = x[d] if r.random() < 0.3 else r.randint(s + 1, x[d])
-            s = 0 if r.random() < 0.2 else s
-            return [(x, "f", 0)], (d, s, e)
-        if name == "view":
-            return [(x, "f", 0)], (self.refactor(x),)
-        if name == "transpose":
-            if len(x) < 2:
-                x = self.dims(2)
-            i, j = r.choice([(a, b) for a in range(len(x)) for b in range(len(x))])
-            return [(x, "f", 0)], (i, j)
-        if name == "expand":
-            src = tuple(1 if r.random() < 0.5 else s for s in x)
-            new = self.dims(r.choice([0, 1]))
-            return [(src, "f", 0)], (new + tuple(s if s != 1 else r.choice([1, 2, 3]) for s in src),)
-        if name == "full":
-            return [], (r.choice([0.0, 1.5]), x)
-        if name in ("Sum", "Max"):
-            return [(x, "f", 0)] * r.choice([1, 2, 3]), ()
         if op.inputs > 0 and all(k.rstrip("?") == "dim" for _, k in op.attrs):
             # an op from a rule file refine has no sampler for: same-shape float arguments
             # and a random dim for each dim attribute (none if its shape rule refuses them)
@@ -316,10 +229,6 @@ class SeedGen:
 
     # -- the seed set
 
-    EXTRA = {"matmul": 4, "embedding": 2, "softmax": 2, "log_softmax": 2, "rmax": 2, "rsum": 2,
-             "layer_norm_c": 3, "rms_norm_c": 3, "gather": 2, "scatter_value": 2, "index_put_acc": 2,
-             "scatter_src": 2, "scatter_acc": 3, "topk_values": 2, "topk_indices": 2,
-             "layer_norm_rstd_c": 2}
     FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
 
     def seeds(self) -> list[Term]:
@@ -329,7 +238,8 @@ class SeedGen:
         for name in sorted(self.core):
             # one random stream per op: a new op leaves every other op's seeds as they were
             self.rng = random.Random(f"{self.seed}:{name}")
-            for _ in range(self.instances * self.EXTRA.get(name, 1)):
+            sample = self.registry.samples.get(name)
+            for _ in range(self.instances * (sample.count if sample else 1)):
                 inst = self.instance(name)
                 if inst is None:
                     continue
@@ -341,10 +251,8 @@ class SeedGen:
                 for i, (shape, kind, bound) in enumerate(specs):
                     for form in self.FORMS:
                         dim = None
-                        if name == "embedding" and i == 0 and form.startswith("cat"):
-                            dim = 0  # the table by rows
-                        elif name == "cat" and form.startswith("cat") and self.rng.random() < 0.5:
-                            dim = attrs[0]
+                        if form.startswith("cat") and sample is not None and sample.concat_dim is not None:
+                            dim = sample.concat_dim(self, i, attrs)
                         arg = self.like(shape, kind, form, bound, dim)
                         if arg is None:
                             continue
@@ -610,55 +518,34 @@ def leaf_values(leaves: dict[str, LeafSpec], seed: int) -> dict[str, torch.Tenso
 # The e-graph: every declaration, each rule in its own ruleset
 
 
-def _in_ruleset(text: str, ruleset: str) -> str:
-    assert text.rstrip().endswith(")")
-    text = text.rstrip()
-    return text[:-1] + f" :ruleset {ruleset})"
-
-
 def ruleset_name(i: int) -> str:
     return f"rule_{i}"
 
 
 def query_heads(rule: Rule, names: set[str]) -> set[str]:
     """The constructors a rule's query (or rewrite's left side) mentions."""
-    return _mentions(parse_sexp(rule.text)[1], names)
-
-
-def _nonneg(v: torch.Tensor) -> bool:
-    return not bool((v < 0).any())  # no element negative (NaN is not negative)
-
-
-# Fact relations analyses derive (declared by a rule family) and what each says: of its one
-# tensor ("one"), or of all / some of the terms of its multiset ("all", "any"). Every fact in
-# an e-graph the harness reads back must hold.
-FACTS: dict[str, tuple[str, Any]] = {
-    "NonNeg": ("one", _nonneg),  # rules/vector_norm.py
-    "NNAll": ("all", _nonneg),  # every term of a sum is non-negative
-    "NNTodo": ("any", _nonneg),  # the rest of a sum, walked while its terms are non-negative
-}
+    return _mentions(rule.command[1], names)
 
 
 def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
     """The tables an analysis rule fills: constructors its actions (or right side) apply,
     directly or through `unstable-fn`."""
-    sexp = parse_sexp(rule.text)
-    return _mentions(sexp[2], names) | _mentions(sexp[2], {f'"{n}"' for n in names}, atoms=True)
+    return _mentions(rule.command[2], names, strings=True)
 
 
-def _mentions(x: Any, names: set[str], atoms: bool = False) -> set[str]:
+def _mentions(x: Sexp, names: set[str], strings: bool = False) -> set[str]:
+    """The `names` heading a list of `x`, and with `strings` those a string literal spells."""
     out: set[str] = set()
-
-    def walk(y: Any) -> None:
-        if isinstance(y, list) and y:
-            if isinstance(y[0], str) and y[0] in names:
-                out.add(y[0])
-            for z in y:
-                walk(z)
-        elif atoms and isinstance(y, str) and y in names:
-            out.add(y.strip('"'))
-
-    walk(x)
+    todo = [x]
+    while todo:
+        y = todo.pop()
+        if isinstance(y, tuple):
+            h = head(y)
+            if h is not None and h in names:
+                out.add(h)
+            todo.extend(y)
+        elif strings and isinstance(y, Str) and y.text in names:
+            out.add(y.text)
     return out
 
 
@@ -692,22 +579,21 @@ class Harness:
         self.sorts: dict[str, tuple[str, ...]] = dict(self.engine_sorts)
         for h, ss in self.hsorts.items():
             self.sorts[h] = tuple(s for s in ss if s != "T")
-        lines = [decls]
+        program: list[Sexp] = list(decls)
         self.checked_rules: list[tuple[int, Rule]] = []
         self.always: list[Rule] = []  # analyses: they run with the shape rules, as in the engine
         for i, r in enumerate(reg.rules):
             if self.symbolic and not r.symbolic:
                 continue
-            text = compile_text(r.text, self.symbolic)
             if r.analysis:
-                lines.append(_in_ruleset(text, "shapes"))
+                program.append(in_ruleset(r.command, "shapes"))
                 self.always.append(r)
             else:
-                lines.append(f"(ruleset {ruleset_name(i)})")
-                lines.append(_in_ruleset(text, ruleset_name(i)))
+                program.append((Sym("ruleset"), Sym(ruleset_name(i))))
+                program.append(in_ruleset(r.command, ruleset_name(i)))
                 self.checked_rules.append((i, r))
         self.eg = bindings.EGraph()
-        self._run("\n".join(lines))
+        self._run("\n".join(emit(x, self.symbolic) for x in program))
         gen = SeedGen(reg, self.seed, self.instances)
         self.seed_terms = gen.seeds()
         self.gen = gen
@@ -716,7 +602,7 @@ class Harness:
             self.values[name] = eval_term(t, self.registry, self.values, {})
         self.cache: dict[Term, torch.Tensor] = {}
         names = set(self.sorts) | {"D"}
-        tables = names | {"pp", "SumPair", "SumStop"} | set(FACTS)
+        tables = names | {"pp", "SumPair", "SumStop"} | set(reg.facts)
         self.writes = {r.name: analysis_writes(r, tables) for r in self.always}
         made = set().union(*self.writes.values())  # seeds need not hold what analyses make
         self.heads = {r.name: query_heads(r, names) - made for _, r in self.checked_rules}
@@ -888,7 +774,7 @@ class Harness:
                 if value(prim[n["eclass"]]) is True:
                     stops = stops or _stop_index(nodes, value)
                     failures += _check_sum_stop(n["children"][0], nodes, cls_term, stops)
-            if n["op"] in FACTS and len(n["children"]) == 1:
+            if n["op"] in self.registry.facts and len(n["children"]) == 1:
                 failures += self._check_fact(n, nodes, cls_term)
             if n["op"] == "pp":
                 self.analysis_checked["pp"] += 1
@@ -899,7 +785,8 @@ class Harness:
         return checked, failures
 
     def _check_fact(self, n: dict[str, Any], nodes: dict[str, Any], cls_term: dict[str, Term]) -> list[str]:
-        quant, holds = FACTS[n["op"]]
+        fact = self.registry.facts[n["op"]]
+        quant, holds = fact.quant, fact.holds
         self.analysis_checked[n["op"]] += 1
         kid = n["children"][0]
         classes = [nodes[kid]["eclass"]] if quant == "one" else [nodes[k]["eclass"] for k in nodes[kid]["children"]]
