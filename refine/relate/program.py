@@ -95,8 +95,8 @@ class DistProgram:
     # broadcasts of the heads it copies (its own or another rank's)
     copies: set[str] = field(default_factory=set)
     # the pre-walk pass (relate, refine.prove.copies, refine.prove.walk.settle) is over: the
-    # tensors, facts and equalities no longer change, and what a walk learns goes in its
-    # own view (walk_view)
+    # tensors and facts no longer change, nor do the equalities but in a walk's own view
+    # (walk_view), where the walk keeps what it learns
     frozen: bool = False
 
     def freeze(self) -> None:
@@ -108,17 +108,19 @@ class DistProgram:
         and opaque leaves of its own: where a walk keeps what it learns, so the frozen
         program says the same to whoever reads it, in any order."""
         assert self.frozen, "a walk starts from a frozen program (refine.prove.walk.settle)"
-        return replace(self, same=self.same.copy(), opaque=dict(self.opaque), frozen=False)
+        return replace(self, same=self.same.copy(), opaque=dict(self.opaque))
 
     def add_fact(self, a: Term, b: Term) -> None:
-        assert not self.frozen, "a fact added after the program was frozen"
+        if self.frozen:
+            raise RuntimeError("a fact added after the program was frozen")
         i = len(self.facts)
         self.facts.append((a, b))
         for x in sorted(a.leaves() | b.leaves()):
             self.fact_index.setdefault(x, []).append(i)
 
     def add(self, name: str, typ: TensorType, definition: Term | None, node: Node | None) -> None:
-        assert not self.frozen, "a tensor added after the program was frozen"
+        if self.frozen:
+            raise RuntimeError(f"tensor {name} added after the program was frozen")
         self.types[name] = typ
         self.defs[name] = definition
         if node is not None:
