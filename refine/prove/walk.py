@@ -177,6 +177,9 @@ def _hop(reach: Callable[[Policy], int], iterations: Callable[[Policy], int] = l
 
 
 def _replay(s: _Search) -> Found | None:
+    """An earlier step's proof renamed onto this node, when its premises hold here. Counted
+    as run only where it gives a result (a replay only ever gives a clean one): the nodes
+    it was offered but could not prove are proven by the strategies after it."""
     replayer = s.walk.replayer
     res = replayer.replay(s.term) if replayer is not None else None
     return None if res is None else ([], res)
