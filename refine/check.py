@@ -49,24 +49,27 @@ from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, Stuck, deadlock
 from refine.prove.copies import join_copies
-from refine.prove.engine import Engine, frontier, infer, structural_ancestry
+from refine.prove.engine import Engine
 from refine.prove.extra_rules import require_verified
+from refine.prove.frontier import frontier, structural_ancestry
+from refine.prove.policy import DEFAULT, STRATEGIES, Policy
+from refine.prove.walk import infer, settle
 from refine.relate.program import DistProgram, build_program, seq_input_relations
 from refine.verdict.expect import expected_terms
 from refine.verdict.localize import localize
 from refine.verdict.report import OutputResult, Report
 
-_ENGINES: dict[tuple[int, bool, frozenset[str]], Engine] = {}
-EXPECT_HOPS = 8
+_ENGINES: dict[tuple[int, bool, frozenset[str], Policy], Engine] = {}
 
 
-def engine_for(registry: Registry, symbolic: bool = False, features: frozenset[str] = frozenset()) -> Engine:
-    """One engine per rule set, size mode and case features (`Rule.needs`): concrete sizes
-    are i64 in the e-graph, symbolic ones PyObjects whose comparisons are proven (see
-    refine.ir.sizes)."""
-    key = (id(registry), symbolic, features)
+def engine_for(registry: Registry, symbolic: bool = False, features: frozenset[str] = frozenset(),
+               policy: Policy = DEFAULT) -> Engine:
+    """One engine per rule set, size mode, case features (`Rule.needs`) and search policy
+    (its step cache holds what that policy found): concrete sizes are i64 in the e-graph,
+    symbolic ones PyObjects whose comparisons are proven (see refine.ir.sizes)."""
+    key = (id(registry), symbolic, features, policy)
     if key not in _ENGINES:
-        _ENGINES[key] = Engine(registry, symbolic=symbolic, features=features)
+        _ENGINES[key] = Engine(registry, symbolic=symbolic, features=features, policy=policy)
     return _ENGINES[key]
 
 
@@ -80,23 +83,24 @@ def is_symbolic(seq: Graph, dist: Dist) -> bool:
 
 
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = (),
-                trust_rules: bool = False) -> Report:
+                trust_rules: bool = False, policy: Policy = DEFAULT) -> Report:
     """Check the pair of files. The extra rule directories `rules` are verified first
     (refine.prove.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
-    untested one too unless `trust_rules`, and the report then lists it as unverified."""
+    untested one too unless `trust_rules`, and the report then lists it as unverified.
+    `policy`: the prover's search policy (refine.prove.policy)."""
     t0 = time.perf_counter()
     rules = list(rules)
     registry = load_registry(rules)
     seq = load_seq(seq_path, registry)
     dist = load_dist(dist_path, registry, seq)
     unverified = require_verified(registry, [str(d) for d in rules], is_symbolic(seq, dist), trust_rules)
-    report = check(seq, dist, registry, str(seq_path), str(dist_path), t0)
+    report = check(seq, dist, registry, str(seq_path), str(dist_path), t0, policy)
     report.unverified_rules = unverified
     return report
 
 
 def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dist_file: str = "dist",
-          t0: float | None = None) -> Report:
+          t0: float | None = None, policy: Policy = DEFAULT) -> Report:
     # What the process holds already (the loaded graphs, the rule families, torch when a
     # capture or an import ran first) is left out of the collector's full passes while the
     # check runs: each one otherwise walks all of it again, and their number grows with the
@@ -106,13 +110,14 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     if own:
         gc.freeze()
     try:
-        return _check(seq, dist, registry, seq_file, dist_file, t0)
+        return _check(seq, dist, registry, seq_file, dist_file, t0, policy)
     finally:
         if own:
             gc.unfreeze()
 
 
-def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file: str, t0: float | None) -> Report:
+def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file: str, t0: float | None,
+           policy: Policy) -> Report:
     t0 = time.perf_counter() if t0 is None else t0
     try:
         seq_core, rename = lower(seq, registry)
@@ -131,10 +136,13 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
         raise InputError(dist_file, "$.ranks", str(e)) from None
     if stuck:  # the ranks never finish: nothing to relate
         return _deadlocked(seq, dist, stuck, t0)
-    engine = engine_for(registry, is_symbolic(seq, dist), case_features(dist))
+    engine = engine_for(registry, is_symbolic(seq, dist), case_features(dist), policy)
     steps0, replayed0, bounded0 = engine.stats["steps"], engine.stats["replayed"], engine.stats["bounded"]
+    # the pre-walk pass: what the program's facts make equal, then frozen
     join_copies(seq, dist, prog, engine, registry)
+    settle(prog, engine, registry)
     inf = infer(seq_core, inputs, prog, engine, registry)
+    prog = inf.program  # the walk's view: the frozen program and what the walk learned
 
     explicit = {e.output: e for e in dist.expectations}
     results: list[OutputResult] = []
@@ -170,7 +178,10 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
              "replayed": int(engine.stats["replayed"] - replayed0),
              "bounded": int(engine.stats["bounded"] - bounded0),
              "seq_nodes": len(seq.nodes), "rank_nodes": sum(len(g.nodes) for g in dist.ranks.values()),
-             "ranks": len(dist.ranks)}
+             "ranks": len(dist.ranks),
+             # per strategy of the walk (refine.prove.policy.STRATEGIES): the nodes it ran on,
+             # and how many times its result was the relation kept
+             "strategies": {s: {"ran": inf.ran[s], "kept": inf.kept[s]} for s in STRATEGIES}}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
 
 
@@ -262,10 +273,11 @@ def _output_tensors(prog: DistProgram) -> list[str]:
 
 def _explicit(name: str, role: str, rel: Term, wanted: list[Term], expect: str, local: str | None,
               prog: DistProgram, engine: Engine, registry: Registry) -> OutputResult:
-    tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    hops = engine.policy.expect_hops
+    tensors = frontier(prog, rel.leaves(), set(), hops, policy=engine.policy) + _output_tensors(prog)
     # how the expected outputs are assembled (an all-reduce of flattened gradients, sliced)
     wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
-    tensors += [x for x in structural_ancestry(prog, wanted_leaves, EXPECT_HOPS) if x not in set(tensors)]
+    tensors += [x for x in structural_ancestry(prog, wanted_leaves, hops) if x not in set(tensors)]
     res = engine.step(rel, prog, registry, tensors, checks=wanted)
     held = _held(res.checks, res.best, wanted)
     ok = all(held)
@@ -280,7 +292,8 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     Shard, Partial sum or the ranks' mean): "reconstructible somehow" would accept a loss
     halved on every rank (`2 * loss@0`) or one rank's copy alone with the others wrong.
     Otherwise (only some ranks make it) it must be reconstructible from rank outputs."""
-    tensors = frontier(prog, rel.leaves(), set(), EXPECT_HOPS) + _output_tensors(prog)
+    tensors = frontier(prog, rel.leaves(), set(), engine.policy.expect_hops, policy=engine.policy) + \
+        _output_tensors(prog)
     if all(any(o.name == name for o in g.outputs) for g in dist.ranks.values()):
         ndim = len(seq.type_of(seq.output(name).ref).shape)
         kinds = [Placement("replicate"), Placement("partial"), Placement("partial", reduce="avg"),

@@ -29,7 +29,10 @@ def main() -> None:
 @click.option("--trust-rules", "trust_rules", is_flag=True,
               help="use extra rules or ops the soundness harness could not exercise; the report lists them "
                    "as unverified (a rule with a counterexample is refused regardless)")
-def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool) -> None:
+@click.option("--stats", "stats", is_flag=True,
+              help="print, per search strategy of the prover, how many nodes it ran on and how many times its "
+                   "result was the relation kept (the JSON report has them always, under stats.strategies)")
+def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool) -> None:
     """Check that DIST (per-rank graphs) refines SEQ (the sequential graph)."""
     from refine.check import check_files
     from refine.verdict.report import print_report
@@ -44,7 +47,7 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
     if fmt == "json":
         click.echo(report.to_json())
     else:
-        print_report(report, Console(emoji=False))
+        print_report(report, Console(emoji=False), strategies=stats)
     sys.exit(report.exit_code)
 
 

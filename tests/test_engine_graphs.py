@@ -60,7 +60,7 @@ def test_pruned_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monke
     compared = []
     solve = prove.Engine._solve
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = 0,  # noqa: ANN202
              early: bool = True):
         pruned = solve(self, program, checks, iterations, early)
         need = self._decls.closure(program + "\n" + "\n".join(checks))
@@ -88,7 +88,7 @@ def test_grown_graph_gives_every_step_the_same_result(monkeypatch: pytest.Monkey
     grown: list[int] = []
     solve, added = prove.Engine._solve, declarations.Declarations.added
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = 0,  # noqa: ANN202
              early: bool = True):
         kept = solve(self, program, checks, iterations, early)
         with monkeypatch.context() as m:
@@ -166,7 +166,7 @@ def test_inline_terms_give_every_step_the_same_result(monkeypatch: pytest.Monkey
     compared = []
     solve = prove.Engine._solve
 
-    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = prove.ITERATIONS,  # noqa: ANN202
+    def both(self: prove.Engine, program: str, checks: list[str], iterations: int = 0,  # noqa: ANN202
              early: bool = True):
         inline = solve(self, program, checks, iterations, early)
         assert program.count("(let ") == 1 and "(let $__seq " in program

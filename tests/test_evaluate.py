@@ -172,7 +172,7 @@ def test_audit_flags_a_wrong_relation() -> None:
     from refine.check import engine_for
     from refine.ops.lower import lower
     from refine.oracle.differential import audit_relations
-    from refine.prove.engine import infer
+    from refine.prove.walk import infer
     from refine.relate.program import seq_input_relations
 
     seq, dist = load_case("tp_mlp")

@@ -266,7 +266,7 @@ def test_gpt_tp8_refines(tmp_path: Path) -> None:
     vocab shards. The concat is a balanced tree (refine.ir.term.cat), so splitting the sum over
     it reaches the ranks' pieces in 3 levels of rewrites within a step's iteration bound (a
     right-nested chain needed 7), and the carried vocab lookup's term (a concat of 8 pieces)
-    stays within CARRY_OPS, which counts no concats."""
+    stays within Policy.carry_ops, which counts no concats."""
     r, out = _import(tmp_path, "gpt/paral1_layer1", "gpt/paral8_layer1", "gpt.json")
     assert r.exit_code == 0, r.output
     report = check_files(out / "seq.json", out / "dist.json")

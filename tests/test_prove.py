@@ -14,6 +14,8 @@ from refine.check import check_files, engine_for
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.ops.registry import load_registry
 from refine.prove import engine as prove
+from refine.prove import walk
+from refine.prove.policy import DEFAULT
 
 
 def _stacked_tp_mlp(tmp_path: Path, layers: int, world: int = 2, bug_layer: int | None = None) -> tuple[Path, Path]:
@@ -63,7 +65,7 @@ def test_a_bug_in_a_repeated_layer_is_still_found(tmp_path: Path) -> None:
 
 
 def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step stopped early (prove.PATIENCE: a plain best term that no longer gets cheaper)
+    """A step stopped early (Policy.patience: a plain best term that no longer gets cheaper)
     proves what the whole iteration bound proves, with fewer rule matches: over 8 ranks
     (balanced concats of 8 pieces) the relations and the verdict are the same."""
     seq, dist = _stacked_tp_mlp(tmp_path, layers=2, world=8)
@@ -74,7 +76,7 @@ def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.Monk
         if not early:  # every step runs the whole iteration bound
             saturate = engine._saturate
             monkeypatch.setattr(engine, "_saturate", lambda iterations, early, eg, s=saturate: s(iterations, False, eg))
-        monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), e=engine: e)
+        monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), policy=DEFAULT, e=engine: e)
         report = check_files(seq, dist)
         assert report.refines, str(report)
         seen[early] = ([(o.name, o.relation) for o in report.outputs], sum(engine.fired.values()))
@@ -83,21 +85,21 @@ def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_counterparts_are_offered_within_their_depth() -> None:
-    """A rank counterpart found at one node is offered to the nodes up to COUNTERPART_DEPTH
+    """A rank counterpart found at one node is offered to the nodes up to Policy.counterpart_depth
     uses downstream (through any input, at the nearest distance) and to none further: kept
     for every later step, each layer's made every later frontier larger."""
     from refine.ir.graph import Node, TensorType
 
     t = TensorType([2], "float32")
-    chain = [Node(f"n{i}", "exp", [f"n{i - 1}"] if i else ["x"], {}, t) for i in range(prove.COUNTERPART_DEPTH + 2)]
-    offered: dict[str, dict[str, int]] = {"n0": {"c@0": prove.COUNTERPART_DEPTH}}
+    chain = [Node(f"n{i}", "exp", [f"n{i - 1}"] if i else ["x"], {}, t) for i in range(DEFAULT.counterpart_depth + 2)]
+    offered: dict[str, dict[str, int]] = {"n0": {"c@0": DEFAULT.counterpart_depth}}
     for n in chain[1:]:
-        offered[n.name] = prove._offered_to(n, offered)
+        offered[n.name] = walk._offered_to(n, offered)
     reached = [n.name for n in chain[1:] if "c@0" in offered[n.name]]
-    assert reached == [f"n{i}" for i in range(1, prove.COUNTERPART_DEPTH + 1)]
+    assert reached == [f"n{i}" for i in range(1, DEFAULT.counterpart_depth + 1)]
     # a node with a near and a far input gets the nearer one's distance
-    join = Node("j", "add", ["n1", f"n{prove.COUNTERPART_DEPTH}"], {}, t)
-    assert prove._offered_to(join, offered) == {"c@0": prove.COUNTERPART_DEPTH - 2}
+    join = Node("j", "add", ["n1", f"n{DEFAULT.counterpart_depth}"], {}, t)
+    assert walk._offered_to(join, offered) == {"c@0": DEFAULT.counterpart_depth - 2}
 
 
 def test_shape_audit_finds_a_class_with_two_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -113,5 +115,5 @@ def test_shape_audit_finds_a_class_with_two_shapes(tmp_path: Path, monkeypatch: 
     with pytest.raises(prove.ShapeConflict, match="two shapes"):
         engine._solve(program, [])
     engine._solve(program.replace("(vec-of 3 2)", "(vec-of 2 3)"), [])  # equal shapes: quiet
-    monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), e=engine: e)
+    monkeypatch.setattr(sys.modules["refine.check"], "engine_for", lambda reg, symbolic=False, features=frozenset(), policy=DEFAULT, e=engine: e)
     assert check_files(*_stacked_tp_mlp(tmp_path, layers=2)).refines

@@ -14,6 +14,7 @@ from refine.ir.graph import TensorType
 from refine.ir.term import Term, leaf
 from refine.ops.registry import load_registry
 from refine.prove import engine as prove
+from refine.prove.policy import DEFAULT
 from refine.relate.program import DistProgram
 
 REG = load_registry()
@@ -44,7 +45,7 @@ def _proven(seq: Term, checks: list[Term]) -> list[bool]:
     prog = DistProgram()
     prog.add("x@0", TensorType((B, S, H, HD), "float32"), None, None)
     res = prove.Engine(REG, features=frozenset({"defines"})).step(seq, prog, REG, ["x@0"], checks=checks,
-                                                                  iterations=prove.ITERATIONS)
+                                                                  iterations=DEFAULT.iterations)
     return res.checks
 
 

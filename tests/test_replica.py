@@ -19,6 +19,7 @@ from refine.ops.interp import random_inputs
 from refine.ops.registry import load_registry
 from refine.oracle.differential import differential
 from refine.prove import engine as prove
+from refine.prove import frontier
 from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()
@@ -111,10 +112,10 @@ def test_a_fact_reaches_a_tensor_computed_from_its_leaf(tmp_path: Path, monkeypa
     """A relation naming rank 1's broadcast bias next to rank 0's own m (qwen2 TP4's v: an
     earlier step's best term) is rank 0's v only through rank 0's broadcast of its own b,
     a tensor the frontier finds available but the e-graph named without its definition: the
-    fact about b's rows never reached it (prove._fact_chains states it). Without that, the
-    same step does not prove it (what the `chains=False` case shows)."""
+    fact about b's rows never reached it (refine.prove.frontier._fact_chains states it).
+    Without that, the same step does not prove it (what the `chains=False` case shows)."""
     if not chains:
-        monkeypatch.setattr(prove, "_fact_chains", lambda *args: None)
+        monkeypatch.setattr(frontier, "_fact_chains", lambda *args: None)
     seq_path, dist_path = _bias_case(tmp_path)
     seq = load_seq(seq_path, REG)
     dist = load_dist(dist_path, REG, seq)
@@ -122,7 +123,7 @@ def test_a_fact_reaches_a_tensor_computed_from_its_leaf(tmp_path: Path, monkeypa
     seq_input_relations(dist, seq, prog, REG, str(dist_path))  # states the replicas' facts
     assert prog.facts
     term = Term("Sum", (Term("slice", (leaf("e@1"),), (1, 0, 2)), Term("slice", (leaf("m@0"),), (1, 0, 2))))
-    tensors = prove.frontier(prog, {"e@1", "m@0"}, {"b@0", "b@1", "m@0", "m@1", "e@0"}, 3)
+    tensors = frontier.frontier(prog, {"e@1", "m@0"}, {"b@0", "b@1", "m@0", "m@1", "e@0"}, 3)
     assert ("e@0" in tensors) is chains
     res = prove.Engine(REG).step(term, prog, REG, tensors, checks=[leaf("v@0")])
     assert res.checks == [chains]

@@ -11,6 +11,7 @@ Sizes are chosen so each check takes about a second; `make bench` runs 10^4 ops.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from refine.check import check_files
 from refine.frontends.graphfile import load_seq
 from refine.ir import graph
 from refine.ops.registry import load_registry
-from refine.prove import engine as prove
+from refine.prove.policy import DEFAULT
 
 Doc = dict[str, Any]
 KINDS = ("elementwise", "views", "matmuls", "sum")
@@ -131,12 +132,11 @@ def test_index_follows_changes_made_elsewhere() -> None:
     assert set(g.index()) == {"c"}
 
 
-def test_term_passed_down_stays_shallow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_term_passed_down_stays_shallow(tmp_path: Path) -> None:
     """Views of a fused value no rank holds pass its term on one op deeper at every node;
-    past TERM_DEPTH a node's users see an opaque leaf instead, so no later walk over terms
+    past Policy.term_depth a node's users see an opaque leaf instead, so no later walk over terms
     meets an arbitrarily deep one. A small bound here (64 in use: a chain of over a
     thousand views crashed, and takes a quarter of an hour)."""
-    monkeypatch.setattr(prove, "TERM_DEPTH", 6)
     n = 16
 
     def graph(rows: int) -> Doc:
@@ -160,7 +160,7 @@ def test_term_passed_down_stays_shallow(tmp_path: Path, monkeypatch: pytest.Monk
             "mesh": {"axes": [{"name": "tp", "size": 2}]}, "ranks": ranks,
             "relations": [{"from": "x", "placements": ["Shard(0)"]}],
             "expectations": [{"output": "y", "placements": ["Replicate"]}]}
-    report = check_files(*_write(tmp_path, seq, dist))
+    report = check_files(*_write(tmp_path, seq, dist), policy=replace(DEFAULT, term_depth=6))
     assert not report.refines
     # softmax(cat(x@0, x@1)) is 3 deep: v0, v1, v2 pass terms 4, 5, 6 deep on; v3's would be 7
     assert report.culprit is not None and report.culprit.node == "v3", str(report)

@@ -16,7 +16,7 @@ from refine.ops.interp import instantiate, valuation
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
 from refine.oracle.differential import audit
-from refine.prove.engine import infer
+from refine.prove.walk import infer
 from refine.relate.program import build_program, seq_input_relations
 
 REG = load_registry()

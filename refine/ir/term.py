@@ -317,7 +317,7 @@ def _quoted_name(tok: str) -> str:
 
 
 # Calls nested in one layout at most: a relation is a few ops deep (a concat of slices of a
-# fused weight), and every walk over a term recurses (refine.prove.engine.TERM_DEPTH)
+# fused weight), and every walk over a term recurses (refine.prove.policy.Policy.term_depth)
 LAYOUT_DEPTH = 32
 
 

@@ -47,7 +47,7 @@ from refine.ops.interp import (
 )
 from refine.ops.lower import lower
 from refine.ops.registry import Registry, load_registry
-from refine.prove.engine import infer
+from refine.prove.walk import infer
 from refine.relate.program import build_program, seq_input_relations
 from refine.verdict.expect import expected_terms
 

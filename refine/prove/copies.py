@@ -18,7 +18,7 @@ so the joined form is exact. A numeric match the e-graph does not prove is dropp
 
 Each proven form joins `prog.same` through a synthetic rank tensor `name#copies@r`
 (recorded in `prog.copies`): every step that names the tensor gets the form, and the walk
-(refine.prove.engine.frontier) reaches a rank's users through another rank's copy (rank 5's
+(refine.prove.frontier.frontier) reaches a rank's users through another rank's copy (rank 5's
 scores, whose key no relation names, through rank 4's key).
 """
 
@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING
 from refine.ir.graph import Dist, Graph, TensorType, tensor_name
 from refine.ir.lazy import torch
 from refine.ir.term import Term, cat, leaf
-from refine.prove.engine import Engine, _constant_closure, is_constant
+from refine.prove.engine import Engine
+from refine.prove.frontier import constant_closure, is_constant
+from refine.prove.policy import Policy
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -38,14 +40,10 @@ if TYPE_CHECKING:
     from refine.ops.registry import Registry
     from refine.relate.program import DistProgram
 
-REGION_DEPTH = 16  # uses after a copied weight that the search follows
-OUTSIDE = 3  # definitions back, outside the region, that a proof takes (the rotary's cos/sin broadcasts)
-PROOF_ITERATIONS = 12
-MAX_UNITS = 4096  # dims with more unit slices than this over all ranks are not searched
-# a tensor with more copied units than this along its best dim is left alone: a product's
-# columns copy block by block (a head's 64 columns), which its head dim, after the
-# view, says in a few units; proving hundreds of columns one by one costs minutes
-MAX_COPIES = 32
+# The search's reach and bounds are the policy's (refine.prove.policy: copy_region_depth,
+# copy_outside, copy_iterations, copy_max_units, max_copies). A product's columns copy block
+# by block (a head's 64 columns), which its head dim, after the view, says in a few units:
+# proving hundreds of columns one by one costs minutes (max_copies).
 
 Unit = tuple[str, int]  # (rank tensor, index along the dim)
 
@@ -85,8 +83,9 @@ def join_copies(seq: Graph, dist: Dist, prog: DistProgram, engine: Engine, regis
     # every rank's copy of such an input: a rank holding each head once still holds the
     # first copy of some head (TP6 in small: rank 1's KV heads 0 and 1)
     sources = sorted(x for d in dist.defines if d.input in dup and (x := tensor_name(d.rank, d.input)) in prog.types)
-    region = _region(prog, sources, registry)
-    values = _Values(prog, registry, seq, dist, set(region), seed)
+    policy = engine.policy
+    region = _region(prog, sources, registry, policy.copy_region_depth)
+    values = _Values(prog, registry, seq, dist, set(region), seed, policy.copy_outside)
     by_base: dict[str, list[str]] = {}
     for x in region:
         if prog.defs.get(x) is not None and prog.types[x].dtype.startswith(("float", "bfloat")):
@@ -94,7 +93,7 @@ def join_copies(seq: Graph, dist: Dist, prog: DistProgram, engine: Engine, regis
     joined = 0
     for base in sorted(by_base, key=lambda b: min(region.index(x) for x in by_base[b])):
         names = sorted(by_base[base], key=_rank_of)
-        found = _best_dim(names, prog, values)
+        found = _best_dim(names, prog, values, policy)
         if found is None:
             continue
         dim, cls = found
@@ -124,15 +123,15 @@ def _rank_of(name: str) -> int:
     return int(name.rpartition("@")[2])
 
 
-def _region(prog: DistProgram, sources: list[str], registry: Registry) -> list[str]:
-    """Rank tensors computed from the sources within REGION_DEPTH uses, in program order.
+def _region(prog: DistProgram, sources: list[str], registry: Registry, depth: int) -> list[str]:
+    """Rank tensors computed from the sources within `depth` uses, in program order.
     A product is followed only where it reads a source (the projection): the scores and
     what follows pair copies with other values, and their equal rows are coincidences (a
     causal mask's first row), not copies."""
     order = {x: i for i, x in enumerate(prog.defs)}
     got: set[str] = set(sources)
     layer = set(sources)
-    for _ in range(REGION_DEPTH):
+    for _ in range(depth):
         nxt = set()
         for x in layer:
             for u in prog.users.get(x, ()):
@@ -171,16 +170,16 @@ class _Values:
     it makes fails its proof)."""
 
     def __init__(self, prog: DistProgram, registry: Registry, seq: Graph, dist: Dist, region: set[str],
-                 seed: int) -> None:
+                 seed: int, outside: int) -> None:
         from refine.ops.interp import eval_term
 
         self.prog, self.registry = prog, registry
-        # the region and what it reads OUTSIDE definitions back are computed (the rotary's
+        # the region and what it reads `outside` definitions back are computed (the rotary's
         # cos broadcast over the heads keeps the heads' copies; a random tensor in its place
         # would not), anything further is random
         self.region = set(region)
         layer = set(region)
-        for _ in range(OUTSIDE):
+        for _ in range(outside):
             layer = {y for x in layer if (d := prog.defs.get(x)) is not None for y in d.leaves()} - self.region
             self.region |= layer
         self.gen = torch.Generator().manual_seed(seed)
@@ -246,7 +245,8 @@ class _Values:
         return v
 
 
-def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int, dict[Unit, Unit]] | None:
+def _best_dim(names: list[str], prog: DistProgram, values: _Values,
+              policy: Policy) -> tuple[int, dict[Unit, Unit]] | None:
     """The dim along which the most unit slices of these tensors (one base name on its
     ranks) equal an earlier one, and for each unit its first equal (all-zero units, a
     padded head, are left out: zeros as proof premises blow the e-graph up);
@@ -257,10 +257,10 @@ def _best_dim(names: list[str], prog: DistProgram, values: _Values) -> tuple[int
     vals = {x: values(x) for x in names}
     best: tuple[int, dict[Unit, Unit]] | None = None
     for dim, size in enumerate(shape):
-        if size < 2 or size * len(names) > MAX_UNITS:
+        if size < 2 or size * len(names) > policy.copy_max_units:
             continue
         cls = _classes(names, vals, dim, size)
-        if any(sum(1 for (y, _) in cls if y == x) > MAX_COPIES for x in names):
+        if any(sum(1 for (y, _) in cls if y == x) > policy.max_copies for x in names):
             continue
         if cls and (best is None or len(cls) > len(best[1])):
             best = (dim, cls)
@@ -323,21 +323,21 @@ def _prove(names: list[str], dim: int, cls: dict[Unit, Unit], prog: DistProgram,
         lhs = cat([_unit(x, dim, j) for j in mine], dim)
         rhs = cat([_unit(cls[(x, j)][0], dim, cls[(x, j)][1]) for j in mine], dim)
         holders = sorted({cls[(x, j)][0] for j in mine} | {x})
-        tensors = _proof_tensors(prog, holders, region)
-        res = engine.step(lhs, prog, registry, tensors, checks=[rhs], iterations=PROOF_ITERATIONS, early=False,
-                          both=True)
+        tensors = _proof_tensors(prog, holders, region, engine.policy.copy_outside)
+        res = engine.step(lhs, prog, registry, tensors, checks=[rhs], iterations=engine.policy.copy_iterations,
+                          early=False, both=True)
         if res.checks[0]:
             proven.update((x, j) for j in mine)
     return proven
 
 
-def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> list[str]:
-    """Definitions back from `names` through the region, and OUTSIDE more beyond it,
+def _proof_tensors(prog: DistProgram, names: list[str], region: set[str], outside: int) -> list[str]:
+    """Definitions back from `names` through the region, and `outside` more beyond it,
     inputs first; constants with their closure."""
     out: list[str] = []
     seen: set[str] = set()
     # depth first, a tensor after what it reads: a walk (definitions chain deep in a region)
-    stack = [(n, OUTSIDE, False) for n in reversed(names)]
+    stack = [(n, outside, False) for n in reversed(names)]
     while stack:
         x, budget, done = stack.pop()
         if done:
@@ -350,12 +350,12 @@ def _proof_tensors(prog: DistProgram, names: list[str], region: set[str]) -> lis
         stack.append((x, budget, True))
         d = prog.defs.get(x)
         if d is not None and is_constant(prog, x):
-            for c in _constant_closure(prog, x):
+            for c in constant_closure(prog, x):
                 if c not in seen:
                     seen.add(c)
                     out.append(c)
         elif d is not None and (x in region or budget > 0):
-            inner = OUTSIDE if x in region else budget - 1
+            inner = outside if x in region else budget - 1
             stack.extend((dep, inner, False) for dep in reversed(sorted(d.leaves())))
     return out
 

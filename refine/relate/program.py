@@ -9,7 +9,7 @@ communication left, only equalities between rank tensors.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from refine.ir.errors import InputError
@@ -35,6 +35,13 @@ class UnionFind:
     def __init__(self) -> None:
         self.parent: dict[str, str] = {}
         self.members: dict[str, list[str]] = {}  # representative -> every name in its class
+        self.frozen = False  # no more unions (DistProgram.freeze)
+
+    def copy(self) -> UnionFind:
+        """The same classes, in a union-find of its own (not frozen)."""
+        out = UnionFind()
+        out.parent, out.members = dict(self.parent), dict(self.members)  # a union replaces a class's list
+        return out
 
     def group(self, x: str) -> list[str]:
         return self.members.get(self.find(x), [x])
@@ -50,6 +57,8 @@ class UnionFind:
         return root
 
     def union(self, a: str, b: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"union of {a} and {b} after the program's equalities were frozen")
         ra, rb = self.find(a), self.find(b)
         if ra != rb:
             # keep the smaller rank's name as the representative: stable, readable output
@@ -76,7 +85,7 @@ class DistProgram:
     same: UnionFind = field(default_factory=UnionFind)
     # unrelated sequential tensors (refine.ir.term.OPAQUE)
     opaque: dict[str, TensorType] = field(default_factory=dict)
-    constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.engine.is_constant
+    constant: dict[str, bool] = field(default_factory=dict)  # memo of refine.prove.frontier.is_constant
     # equalities of terms over rank inputs that hold of parts only (refine.ir.layout): a slice
     # of one rank's fused weight equal to the same slice of another's. A step whose e-graph
     # names a leaf of one is told it (refine.prove.engine)
@@ -85,14 +94,33 @@ class DistProgram:
     # synthetic tensors `x#copies@r` that refine.prove.copies joined to x: x as a concat of
     # broadcasts of the heads it copies (its own or another rank's)
     copies: set[str] = field(default_factory=set)
+    # the pre-walk pass (relate, refine.prove.copies, refine.prove.walk.settle) is over: the
+    # tensors and facts no longer change, nor do the equalities but in a walk's own view
+    # (walk_view), where the walk keeps what it learns
+    frozen: bool = False
+
+    def freeze(self) -> None:
+        self.frozen = True
+        self.same.frozen = True
+
+    def walk_view(self) -> DistProgram:
+        """This program's tensors, definitions and facts (shared, read only) with equalities
+        and opaque leaves of its own: where a walk keeps what it learns, so the frozen
+        program says the same to whoever reads it, in any order."""
+        assert self.frozen, "a walk starts from a frozen program (refine.prove.walk.settle)"
+        return replace(self, same=self.same.copy(), opaque=dict(self.opaque))
 
     def add_fact(self, a: Term, b: Term) -> None:
+        if self.frozen:
+            raise RuntimeError("a fact added after the program was frozen")
         i = len(self.facts)
         self.facts.append((a, b))
         for x in sorted(a.leaves() | b.leaves()):
             self.fact_index.setdefault(x, []).append(i)
 
     def add(self, name: str, typ: TensorType, definition: Term | None, node: Node | None) -> None:
+        if self.frozen:
+            raise RuntimeError(f"tensor {name} added after the program was frozen")
         self.types[name] = typ
         self.defs[name] = definition
         if node is not None:

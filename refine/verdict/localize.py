@@ -37,7 +37,7 @@ from refine.ir.graph import Dist, Graph, Node, tensor_name
 from refine.ir.term import Term
 from refine.ops.lower import lower
 from refine.ops.registry import Registry
-from refine.prove.engine import Inference
+from refine.prove.walk import Inference
 from refine.relate.program import DistProgram
 from refine.verdict.report import Culprit, OutputResult
 

@@ -76,7 +76,8 @@ class Report:
         return console.export_text()
 
 
-def print_report(r: Report, console: Console | None = None) -> None:
+def print_report(r: Report, console: Console | None = None, strategies: bool = False) -> None:
+    """`strategies`: with the table of the prover's search strategies (refine check --stats)."""
     console = console or Console(emoji=False)
     table = Table(title="sequential outputs", show_lines=False)
     for col in ("output", "role", "relation over rank tensors", "expectation", "ok"):
@@ -134,3 +135,10 @@ def print_report(r: Report, console: Console | None = None) -> None:
     if s:
         console.print(f"[dim]{s.get('seq_nodes')} sequential nodes, {s.get('rank_nodes')} rank nodes on "
                       f"{s.get('ranks')} ranks, {s.get('steps')} e-graph steps, {s.get('replayed', 0)} replayed, {s.get('seconds')} s[/]")
+    if strategies and s.get("strategies"):
+        table = Table(title="search strategies (refine.prove.policy)", show_lines=False)
+        for col in ("strategy", "ran on nodes", "kept"):
+            table.add_column(col, justify="left" if col == "strategy" else "right")
+        for name, n in s["strategies"].items():
+            table.add_row(name, str(n["ran"]), str(n["kept"]))
+        console.print(table)

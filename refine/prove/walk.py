@@ -1,0 +1,398 @@
+"""The walk: every sequential node related to the rank program, in topological order.
+
+Each node's term (its op over its inputs' relations) is given to a list of named
+strategies, tried in order until one gives a clean relation (refine.prove.policy.STRATEGIES):
+
+- `replay`: an earlier clean step of the same shape, its premises checked here (refine.prove.reuse);
+- `near`, `wide`: a step over the rank tensors within Policy.near_hops, then wide_hops, uses
+  of the inputs' tensors;
+- `deep`: instead of `wide` over a fused op's term, a step Policy.deep_hops uses deep;
+- `carried`: instead of `wide` over a carried mask's term, a step Policy.carry_hops deep;
+- `write_back`: where the ranks write the inputs' tensors back into a buffer, a step over
+  the structural chain (refine.prove.frontier.frontier's `structural`);
+- `fact_chains`: where facts about parts of rank inputs exist, a step over the chains from
+  their leaves through every op.
+
+Which strategies apply to a node is decided by the node alone (`_plan`); the policy can only
+leave some out. What the walk learns (tensors found equal, opaque leaves for unclean nodes)
+is kept in its own view of the program (DistProgram.walk_view), not in the program the
+pre-walk pass froze.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from refine.ir.graph import Graph, Node
+from refine.ir.term import OPAQUE, Term, depth, opaque
+from refine.ops.registry import COMPUTE, Registry
+from refine.prove.engine import Engine
+from refine.prove.frontier import (
+    ancestry,
+    counterparts,
+    frontier,
+    reads_fact,
+    users_of_class,
+    with_replicas,
+    writes_back_near,
+)
+from refine.prove.policy import STRATEGIES, Policy
+from refine.prove.reuse import Replayer, StepResult
+from refine.relate.program import DistProgram, join_congruent
+
+# ---------------------------------------------------------------------------------------
+# What facts about parts of rank inputs make equal (part of the pre-walk pass)
+
+
+def join_fact_consequences(prog: DistProgram, engine: Engine, registry: Registry) -> int:
+    """Rank tensors the facts (refine.ir.layout: a replicated slice of two ranks' fused
+    weights) make equal as whole tensors: a slice, on two ranks, of what each computes from
+    its own copy (a TP4 rank's key columns of its QKV product, equal to its neighbour's).
+    Candidates are the same program position on the two ranks of a fact, a slice within
+    `Policy.fact_depth` uses; each is proven by an e-graph over both definitions back to the
+    facts' leaves, and joins `prog.same`. Returns how many joined."""
+    fact_depth = engine.policy.fact_depth
+    pairs: set[tuple[str, str]] = set()
+    for a, b in prog.facts:
+        for x in a.leaves():
+            for y in b.leaves():
+                if x.rpartition("@")[0] == y.rpartition("@")[0] and x != y:
+                    pairs.add((x, y))
+    joined = 0
+    layer = sorted(pairs)
+    seen = set(layer)
+    for _ in range(fact_depth):
+        nxt: list[tuple[str, str]] = []
+        for x, y in layer:
+            ry = y.rpartition("@")[2]
+            for u in prog.users.get(x, ()):
+                v = f"{u.rpartition('@')[0]}@{ry}"
+                if (u, v) in seen or v not in prog.users.get(y, ()) and v not in users_of_class(prog, y):
+                    continue
+                if prog.types.get(v) != prog.types[u]:
+                    continue
+                seen.add((u, v))
+                nxt.append((u, v))
+                du = prog.defs[u]
+                if du is not None and du.op == "slice" and prog.same.find(u) != prog.same.find(v):
+                    tensors = ancestry(prog, [u, v], fact_depth + 2)
+                    res = engine.step(Term("D", (), (u,)), prog, registry, tensors, checks=[Term("D", (), (v,))])
+                    if res.checks[0]:
+                        prog.same.union(u, v)
+                        joined += 1
+        layer = sorted(nxt)
+    if joined:
+        join_congruent(prog)
+    return joined
+
+
+def settle(prog: DistProgram, engine: Engine, registry: Registry) -> None:
+    """The end of the pre-walk pass: the facts' consequences joined, then the program's facts
+    and equalities frozen (DistProgram.freeze). Whoever builds a program and walks it calls
+    this after every other pre-walk join (refine.prove.copies.join_copies)."""
+    if prog.facts:
+        join_fact_consequences(prog, engine, registry)
+    prog.freeze()
+
+
+# ---------------------------------------------------------------------------------------
+# The walk
+
+
+@dataclass
+class Inference:
+    relations: dict[str, Term]  # sequential core tensor -> relation over rank tensors
+    clean: dict[str, bool]
+    steps: dict[str, StepResult]
+    # the walk's view of the program: the frozen facts and what the walk learned (tensors
+    # found equal, opaque leaves); what follows the walk (expectations, localization) reads it
+    program: DistProgram
+    # strategy -> how many nodes it ran on, and how many times its result was the relation kept
+    ran: Counter[str] = field(default_factory=Counter)
+    kept: Counter[str] = field(default_factory=Counter)
+
+
+def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
+    op = registry.ops[n.op]
+    args = tuple(rel[a] for a in n.tensor_args())
+    if op.kind == "nary":
+        return Term(n.op, args)
+    return Term(n.op, args, tuple(n.attrs[k] for k, _ in op.attrs if k in n.attrs))
+
+
+_STRUCTURAL = frozenset({"view", "slice", "cat", "Sum", "Scale", "transpose"})
+_PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
+
+
+@dataclass
+class _Search:
+    """One node's search: what its strategies read."""
+
+    walk: _Walk
+    node: Node
+    term: Term
+    ops: set[str]
+    leaves: set[str]
+    known: set[str]  # available tensors: those earlier steps named, and the offered counterparts
+    offered: set[str]  # counterparts offered to this node (refine.prove.frontier.counterparts)
+    hops: tuple[int, ...]  # the reach of the node's hop tries, in order
+
+    @cached_property
+    def near(self) -> set[str]:
+        """The leaves with their replicas (computed only when a step runs: a replay needs none)."""
+        return with_replicas(self.walk.prog, self.leaves)
+
+    def frontier(self, hops: int, structural: bool = False, fact_depth: int = 0) -> list[str]:
+        w = self.walk
+        return frontier(w.prog, self.near, self.known, hops, self.offered, structural=structural,
+                        fact_depth=fact_depth, policy=w.policy)
+
+    def step(self, tensors: list[str], iterations: int = 0, early: bool = True) -> StepResult:
+        w = self.walk
+        return w.engine.step(self.term, w.prog, w.registry, tensors, iterations=iterations, early=early)
+
+
+# A strategy gives the tensors it searched and its result, or None where it does not apply.
+Found = tuple[list[str], StepResult]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    run: Callable[[_Search], Found | None]
+    # its result replaces the one so far even when it is not clean (it becomes the node's
+    # best term for the report); otherwise only a clean one does
+    replaces: bool = True
+
+
+def _hop(reach: Callable[[Policy], int], iterations: Callable[[Policy], int] = lambda p: 0) -> \
+        Callable[[_Search], Found | None]:
+    def run(s: _Search) -> Found:
+        tensors = s.frontier(reach(s.walk.policy))
+        return tensors, s.step(tensors, iterations=iterations(s.walk.policy))
+    return run
+
+
+def _replay(s: _Search) -> Found | None:
+    """An earlier step's proof renamed onto this node, when its premises hold here. Counted
+    as run only where it gives a result (a replay only ever gives a clean one): the nodes
+    it was offered but could not prove are proven by the strategies after it."""
+    replayer = s.walk.replayer
+    res = replayer.replay(s.term) if replayer is not None else None
+    return None if res is None else ([], res)
+
+
+def _write_back(s: _Search) -> Found | None:
+    """The ranks write what the inputs relate to back into a buffer and read it out again:
+    retried once over the structural chain (only there, so a step that fails elsewhere
+    keeps the search, and the culprit, it had)."""
+    w = s.walk
+    if OPAQUE in s.ops or not writes_back_near(w.prog, s.near, w.policy.write_back_hops):
+        return None
+    tensors = s.frontier(s.hops[0], structural=True)
+    return tensors, s.step(tensors)
+
+
+def _fact_chains(s: _Search) -> Found | None:
+    """A fact about rank inputs (a define's copied KV heads) matters far downstream (the
+    scores, through the projection and the rotary): retried once with the chains from the
+    facts' leaves through every op, and more iterations; the first result stays when this
+    one is no better (the culprit's report)."""
+    w, p = s.walk, s.walk.policy
+    if OPAQUE in s.ops or s.node.op in w.fusing or not w.prog.facts:
+        return None
+    more = s.frontier(s.hops[-1], fact_depth=p.fact_retry)
+    if len(more) > p.fact_retry_tensors or not reads_fact(w.prog, more):
+        return None
+    # no early stop: the chains' rewrites make the best term no cheaper for many
+    # iterations before the copies meet
+    return more, s.step(more, iterations=p.fact_iterations, early=False)
+
+
+_BY_NAME: dict[str, Strategy] = {s.name: s for s in (
+    Strategy("replay", _replay),
+    Strategy("near", _hop(lambda p: p.near_hops)),
+    Strategy("wide", _hop(lambda p: p.wide_hops)),
+    Strategy("deep", _hop(lambda p: p.deep_hops, lambda p: p.deep_iterations)),
+    Strategy("carried", _hop(lambda p: p.carry_hops)),
+    Strategy("write_back", _write_back),
+    Strategy("fact_chains", _fact_chains, replaces=False),
+)}
+assert tuple(_BY_NAME) == STRATEGIES
+
+
+def _plan(n: Node, ops: set[str], over_fused: bool, over_carried: bool, fusing: set[str],
+          policy: Policy) -> tuple[list[str], tuple[int, ...]]:
+    """The node's hop tries (names and reaches, in order). A node over an opaque input gets
+    no wider retry: it cannot become clean by finding more rank tensors for the inputs that
+    are clean. A fused op's own relation is searched near its inputs only (if there is one
+    further away, it is its users' business: they search deep)."""
+    tries = ["near"] if OPAQUE in ops or n.op in fusing else ["near", "wide"]
+    if OPAQUE not in ops and over_fused:
+        tries = ["near", "deep"]  # over a fused term: its rank counterpart lies far downstream
+    elif OPAQUE not in ops and over_carried:
+        # the ranks' counterpart of a carried term is as far as its chain; a view of one
+        # (the rank holds no more of it than of the term) is searched near only
+        tries = ["near"] if n.op in _STRUCTURAL else ["near", "carried"]
+    reach = {"near": policy.near_hops, "wide": policy.wide_hops, "deep": policy.deep_hops,
+             "carried": policy.carry_hops}
+    return tries, tuple(reach[t] for t in tries)
+
+
+@dataclass
+class _Walk:
+    prog: DistProgram  # the walk's view (DistProgram.walk_view)
+    engine: Engine
+    registry: Registry
+    policy: Policy
+    fusing: set[str]
+    replayer: Replayer | None
+    ran: Counter[str] = field(default_factory=Counter)
+    kept: Counter[str] = field(default_factory=Counter)
+
+    def search(self, s: _Search, tries: list[str]) -> Found:
+        """The strategies for the node, in order, until one gives a clean relation."""
+        found: Found | None = None
+        by = ""
+        for name in ["replay", *tries, "write_back", "fact_chains"]:
+            if found is not None and found[1].clean:
+                break
+            if not self.policy.uses(name):
+                continue
+            strategy = _BY_NAME[name]
+            got = strategy.run(s)
+            if got is None:
+                continue
+            self.ran[name] += 1
+            if found is None or strategy.replaces or got[1].clean:
+                found, by = got, name
+        if found is None:  # every strategy that applies left out by the policy: nothing proven
+            return [], StepResult(s.term, COMPUTE, [], [], 0.0)
+        if found[1].clean:
+            self.kept[by] += 1
+            if by != "replay" and self.replayer is not None:
+                self.replayer.record(s.term, found[1])
+        return found
+
+
+def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine, registry: Registry) -> Inference:
+    """Relate every sequential node, in topological order. A node with no clean relation
+    keeps its best term for the report, but the nodes using it see it as an opaque leaf
+    (refine.ir.term.OPAQUE): an unclean term carried along would grow with every op after it and
+    make each later e-graph larger, while it is already known not to be what the ranks
+    hold. The exception is a fused op (`Op.fuse`: softmax, which blockwise attention never
+    materialises): with no clean relation near its inputs, its users see it as the op over
+    its inputs' relations and search the rank program `Policy.deep_hops` uses deep for
+    their own counterpart.
+
+    A node whose term has the shape of an earlier clean step's is first offered to
+    `refine.prove.reuse.Replayer` (the `replay` strategy): that step's premises renamed onto
+    this node, each checked against the rank program, give its result renamed (a repeated
+    layer is proven once); when they do not hold, the node is proven as usual.
+
+    The program's facts are settled and frozen first (`settle`) if the caller has not."""
+    if not prog.frozen:
+        settle(prog, engine, registry)
+    policy = engine.policy
+    view = prog.walk_view()
+    down = dict(inputs)  # what later nodes see: the clean relation, or an opaque leaf
+    shown = dict(inputs)  # the best term found, for reports and expectations
+    clean = {k: True for k in inputs}
+    steps: dict[str, StepResult] = {}
+    known: set[str] = {n for n, d in view.defs.items() if d is None}
+    # see counterparts: available, with their definitions, to the sequential nodes within
+    # Policy.counterpart_depth uses of the step that found them
+    offered: dict[str, dict[str, int]] = {}  # node -> counterpart -> uses it may still go
+    fusing = {name for name, op in registry.ops.items() if op.fuse}
+    # a repeated layer's steps are instantiated from an earlier, identical one (refine.prove.reuse)
+    replayer = Replayer(view, engine.stats, engine.fired) if policy.uses("replay") else None
+    walk = _Walk(view, engine, registry, policy, fusing, replayer)
+    carried: set[str] = set()  # unclean nodes whose users see their term (Policy.carry_ops)
+    for n in seq.nodes:
+        term = node_term(n, down, registry)
+        leaves = term.leaves()
+        ops = term.ops()
+        over_fused = any(a.ops() & fusing for a in term.args)
+        over_carried = any(a in carried for a in n.args if isinstance(a, str))
+        tries, hops = _plan(n, ops, over_fused, over_carried, fusing, policy)
+        offers = _offered_to(n, offered)
+        cps = set(offers)
+        tensors, res = walk.search(_Search(walk, n, term, ops, leaves, known | cps, cps, hops), tries)
+        shown[n.name] = res.best
+        steps[n.name] = res
+        known |= res.best.leaves()
+        if res.clean:
+            for c in counterparts(view, n.op, leaves, tensors) - known:
+                offers[c] = policy.counterpart_depth
+        offered[n.name] = offers
+        if res.clean and depth(res.best) <= policy.term_depth:
+            clean[n.name] = True
+            down[n.name] = res.best
+        elif OPAQUE not in ops and ((n.op in fusing and not over_fused) or (over_fused and n.op in _PASS_FUSED)) \
+                and depth(term) <= policy.term_depth:
+            # its users see the op over its inputs' relations; left out of `clean`: whether
+            # it is right is decided at its users (localization passes over it). Views and
+            # concats of a fused term pass it on too (a stack of norms, rules/vector_norm.py)
+            down[n.name] = term
+        else:
+            clean[n.name] = False
+            masks = not n.type.dtype.startswith(("float", "bfloat")) or over_carried
+            if masks and OPAQUE not in ops and _dag_size(term) <= policy.carry_ops and depth(term) <= policy.term_depth:
+                # a small unclean mask or index (bool or integer), and what is computed from
+                # it, is carried to its users: no rank holds the sequential mask over the
+                # whole vocab, only what it selects (Megatron's vocab-parallel target lookup)
+                down[n.name] = term
+                carried.add(n.name)
+            else:
+                view.opaque[n.name] = n.type
+                down[n.name] = opaque(n.name)
+        # what a step proved equal feeds every later step (the e-graphs name classes by
+        # their representatives): kept in the walk's view
+        for f in res.found:
+            if f in view.types:
+                view.same.union(res.found[0], f)
+        if res.clean:
+            for a, b in res.same:
+                if view.types.get(a) == view.types.get(b) is not None:
+                    view.same.union(a, b)
+    # a carried node that a clean relation took in (through its users, or carried users of
+    # it that were) is, like a fused one, left out of `clean`: what matters about it is
+    # proven at that user. One that nothing clean took in stays unclean (a culprit).
+    users: dict[str, list[str]] = {}
+    for n in seq.nodes:
+        for a in n.tensor_args():
+            users.setdefault(a, []).append(n.name)
+    absorbed: set[str] = set()
+    for n in reversed(seq.nodes):
+        if n.name in carried and any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
+            absorbed.add(n.name)
+            del clean[n.name]
+    return Inference(shown, clean, steps, view, walk.ran, walk.kept)
+
+
+def _dag_size(t: Term) -> int:
+    """The number of distinct non-leaf subterms of t, concats not counted: how a tensor is
+    laid out over the ranks (a concat of n rank pieces is n - 1 binary cats) is no op of
+    the computation, and Policy.carry_ops must not depend on the rank count."""
+    seen: set[Term] = set()
+    todo = [t]
+    while todo:
+        x = todo.pop()
+        if x in seen or not x.args:
+            continue
+        seen.add(x)
+        todo.extend(x.args)
+    return sum(1 for x in seen if x.op != "cat")
+
+
+def _offered_to(n: Node, offered: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The counterparts offered to `n`: its inputs', one use further on, while within depth."""
+    out: dict[str, int] = {}
+    for a in n.tensor_args():
+        for c, left in offered.get(a, {}).items():
+            if left > 0 and left - 1 > out.get(c, -1):
+                out[c] = left - 1  # offered at 0 too, but passed on no further
+    return out
