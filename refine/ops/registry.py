@@ -77,8 +77,8 @@ class Op:
     linear: str = ""
     # A node of this op with no clean relation is seen by its users as the op over its
     # inputs' clean relations (not an opaque leaf), and their steps search the rank program
-    # deeper (`refine.prove.engine.DEEP_HOPS`): blockwise (online-softmax) attention never holds
-    # softmax's value, only what its users compute from it.
+    # deeper (`refine.prove.policy.Policy.deep_hops`): blockwise (online-softmax) attention
+    # never holds softmax's value, only what its users compute from it.
     fuse: bool = False
 
     @property
