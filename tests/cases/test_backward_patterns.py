@@ -79,6 +79,7 @@ def column_parallel(bug: bool) -> Case:
     return s, ranks, rel, exp, {"tp": 2}
 
 
+@pytest.mark.slow
 def test_column_parallel_grads(tmp_path: Path) -> None:
     good, bug = _verdict(tmp_path, column_parallel)
     assert good.refines, str(good)
@@ -194,6 +195,7 @@ def layer_norm_sp(bug: bool, symbolic: bool = False) -> Case:
     return s, ranks, rel, exp, {"sp": 2}
 
 
+@pytest.mark.slow
 def test_layer_norm_grads_under_sequence_parallelism(tmp_path: Path) -> None:
     good, bug = _verdict(tmp_path, layer_norm_sp)
     assert good.refines, str(good)
@@ -201,6 +203,7 @@ def test_layer_norm_grads_under_sequence_parallelism(tmp_path: Path) -> None:
     assert bug.culprit is not None and bug.culprit.node == "dw", str(bug)
 
 
+@pytest.mark.slow
 def test_layer_norm_weight_grad_symbolic(tmp_path: Path) -> None:
     T, H = sizes.sym("T", multiple=2), sizes.sym("H")
     good, bug = _verdict(tmp_path, lambda bug: layer_norm_sp(bug, symbolic=True), [T, H])
@@ -224,6 +227,7 @@ def positions_sp(bug: bool, symbolic: bool = False) -> Case:
     return s, ranks, [{"from": "wpe", "placements": ["Replicate"]}], [{"output": "pe", "placements": ["Shard(0)"]}], {"sp": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_sequence_parallel_position_ids(tmp_path: Path, symbolic: bool) -> None:
     syms = [sizes.sym("T", multiple=2)] if symbolic else []
@@ -264,6 +268,7 @@ def embedding_grad_dp(bug: bool, symbolic: bool = False) -> Case:
     return s, ranks, rel, [{"output": "dw", "placements": ["Replicate"]}], {"dp": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_embedding_grad_under_data_parallelism(tmp_path: Path, symbolic: bool) -> None:
     syms = [sizes.sym("B", multiple=2), sizes.sym("T"), sizes.sym("H")] if symbolic else []
@@ -314,6 +319,7 @@ def cross_entropy_dp(bug: bool, recompute_mask: bool = False, symbolic: bool = F
     return s, ranks, rel, exp, {"dp": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_cross_entropy_with_row_sharded_logits(tmp_path: Path, symbolic: bool) -> None:
     syms = [sizes.sym("N", multiple=2)] if symbolic else []

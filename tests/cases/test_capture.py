@@ -41,6 +41,7 @@ def tp_case() -> capture.Case:
 # the Megatron MLP: capture, then check
 
 
+@pytest.mark.slow
 def test_tp_mlp_whole_step_refines(tp_case: capture.Case) -> None:
     report = check(*tp_case)
     assert report.refines, report
@@ -90,6 +91,7 @@ def test_missing_grad_all_reduce_is_found_at_the_layer_norm() -> None:
     assert ln_w.relation == "(ln.weight.grad@0 + ln.weight.grad@1)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,bug,wrong", [
     ("tp_mlp", "bias_before_sum", {"loss"} | GRADS),
     ("tp_mlp", "missing_grad_all_reduce", {"ln.weight.grad", "ln.bias.grad"}),
@@ -104,6 +106,7 @@ def test_bug_twins_capture_the_bug(module: str, bug: str, wrong: set[str]) -> No
     assert wrong_numerically(capture(mod.make_case(bug=bug))) == wrong
 
 
+@pytest.mark.slow
 def test_bias_before_sum_is_found_where_the_rank_adds_it() -> None:
     report = capture(TP.make_case(bug="bias_before_sum")).check()
     assert not report.refines
@@ -116,6 +119,7 @@ def test_bias_before_sum_is_found_where_the_rank_adds_it() -> None:
     assert "partial sum" in c.reason
 
 
+@pytest.mark.slow
 def test_grad_reduced_twice_is_found_at_the_input_gradient() -> None:
     report = capture(TP.make_case(bug="grad_reduced_twice")).check()
     assert not report.refines
@@ -133,6 +137,7 @@ def test_grad_reduced_twice_is_found_at_the_input_gradient() -> None:
 # data parallel
 
 
+@pytest.mark.slow
 def test_ddp_mlp_refines_and_its_twins_do_not() -> None:
     report = check(*capture(DDP.make_case()))
     assert report.refines, report
@@ -151,6 +156,7 @@ def test_ddp_mlp_refines_and_its_twins_do_not() -> None:
     assert twice.culprit is not None and twice.culprit.source == line_of(MODELS / "ddp_mlp.py", "loss = loss / world")
 
 
+@pytest.mark.slow
 def test_dp_tp_mesh_of_subgroups() -> None:
     case = capture(TP.make_case(world_size=4, dp=2))
     groups = {r["rank"]: {(tuple(n["attrs"]["group"]), n["attrs"].get("reduce_op")) for n in r["graph"]["nodes"]
@@ -163,6 +169,7 @@ def test_dp_tp_mesh_of_subgroups() -> None:
     assert wrong_numerically(capture(TP.make_case(world_size=4, dp=2, bug="loss_averaged_twice"))) == {"loss"} | GRADS
 
 
+@pytest.mark.slow
 def test_dp_tp_mesh_refines() -> None:
     report = capture(TP.make_case(world_size=4, dp=2)).check()
     assert report.refines, report

@@ -90,6 +90,7 @@ def test_vocab_parallel_ce_whole_step_refines(ce_case: capture.Case) -> None:
     assert ("max", line_of(CE_PATH, 'local_max = funcol.all_reduce(local_max, "max", group)')) in reduces
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{"label_smoothing": 0.0}, {"world_size": 4}])
 def test_without_smoothing_and_on_four_ranks(kw: dict[str, Any]) -> None:
     report = capture(CE.make_case(**kw)).check()
@@ -113,6 +114,7 @@ def test_megatron_per_token_mix_computes_the_same(fused_case: capture.Case) -> N
 # bug twins: verdict, failing outputs, the culprit and its lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,wrong", [
     ("max_not_all_reduced", {"loss"} | GRADS),
     ("target_mask_missing", {"loss"}),  # the backward keeps the mask: gradients stay right
@@ -177,6 +179,7 @@ LOSS_RULES = ["gather-vocab-split", "gather-off-split", "gather-off-first", "gat
               "where-view-const-scalar"] + [f"{p}-view-const" for p in ("lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_loss_rules_sound_and_fire(symbolic: bool) -> None:
     results = Harness(load_registry(), symbolic=symbolic).run(LOSS_RULES)
@@ -190,6 +193,7 @@ MASK_RULES = ["where-zero-sum", "where-zero-by", "where-zero-scale", "where-zero
               "div-by-cast"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("symbolic", [False, True])
 def test_mask_rules_sound_and_fire(symbolic: bool) -> None:
     results = Harness(load_registry(), symbolic=symbolic).run(MASK_RULES)

@@ -75,6 +75,7 @@ def test_ring_attention_refines(cp_case: capture.Case) -> None:
     assert {o.name for o in report.outputs} == {"loss"} | GRADS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", CP.BUGS)
 def test_twins_are_found_at_the_attention_output(bug: str) -> None:
     """The merge no longer equals attention over both blocks: the first sequential node with

@@ -60,6 +60,7 @@ def test_the_deriver_is_registered_and_maps_placements() -> None:
             annotation_of(DTensor.from_local(t, mesh, [Partial("avg")], run_check=False))
 
 
+@pytest.mark.slow
 def test_relations_are_derived_from_placements(tp_case: capture.Case, sp_case: capture.Case) -> None:
     for case, x in ((tp_case, "Replicate"), (sp_case, "Shard(0)")):
         rel = {r["from"]: r["placements"] for r in case.dist_doc["relations"]}
@@ -123,6 +124,7 @@ def test_ln_grad_not_reduced_is_found_at_the_layer_norm() -> None:
     assert ln_w.relation == "(ln.weight.grad@0 + ln.weight.grad@1)"  # the reduction the hook dropped
 
 
+@pytest.mark.slow
 def test_grad_placements_partial_doubles_every_gradient() -> None:
     report = capture(DT.make_case(bug="grad_placements_partial")).check()
     assert not report.refines
@@ -153,6 +155,7 @@ def test_loss_twins_do_not_refine(bug: str, sp: bool, culprit: str, rank_culprit
         assert report.culprit.rank_source == line_of(rank_culprit), report  # the rank step's own loss line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,wrong", [
     ("partial_output_loss", {"loss"} | GRADS),
     ("grad_placements_partial", GRADS),

@@ -47,6 +47,7 @@ def timed(spec: capture.Spec) -> tuple[capture.Case, object]:
 # GQA: KV heads split across ranks, and replicated across groups of ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, heads, kv", [
     (2, 8, 4),  # split: two kv heads per rank, each read by two query heads
     (4, 4, 2),  # replicated: one kv head per pair of ranks, one query head per rank
@@ -104,6 +105,7 @@ def test_gqa_kv_heads_tiled() -> None:
     assert any(n.endswith(f"at {repeat}") for n in c.rank_nodes), c.rank_nodes
 
 
+@pytest.mark.slow
 def test_gqa_whole_kv_projections_with_a_picked_head() -> None:
     """The other replicated-kv layout: every rank holds the whole k/v projections
     (Replicate) and picks its kv head's columns, r // (world / kv); the k/v gradients (each
@@ -115,6 +117,7 @@ def test_gqa_whole_kv_projections_with_a_picked_head() -> None:
     assert {o.name: o.relation for o in report.outputs}["k.weight.grad"] == "k.weight.grad@0"
 
 
+@pytest.mark.slow
 def test_gqa_wrong_kv_head() -> None:
     """Ranks pick kv heads round-robin (r % kv) instead of by group (r // (world / kv)): a
     query head attends with another group's keys and values. The first node off is the
@@ -143,6 +146,7 @@ def test_gqa_bad_configurations_are_refused() -> None:
 # rotary embeddings at a chunk's offset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, backward", [(2, True), pytest.param(4, True, marks=HEAVY), (4, False)],
                          ids=["2_ranks", "4_ranks", "4_ranks_forward"])
 @pytest.mark.parametrize("positions", [False, True], ids=["sliced", "position_ids"])
@@ -161,6 +165,7 @@ def test_rope_offset_refines(world: int, backward: bool, positions: bool) -> Non
     assert {o.name for o in report.outputs} == {"loss"} | grads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", [None, "offset_not_applied"])
 def test_rope_offset_4_ranks_backward_numerically(bug: str | None) -> None:
     """What the opt-in 4-rank check would say, by running the programs: right everywhere, or

@@ -50,6 +50,7 @@ def modeling_line(snippet: str, occurrence: int | None = None) -> str:
     return f"modeling_llama.py:{n}"
 
 
+@pytest.mark.slow
 def test_capture_follows_transformers_plan(llama: tuple[capture.Case, float]) -> None:
     case, seconds = llama
     print(f"hf_llama capture: {seconds:.1f}s")
@@ -84,12 +85,14 @@ def test_capture_follows_transformers_plan(llama: tuple[capture.Case, float]) ->
     assert wrong_numerically(case) == set()
 
 
+@pytest.mark.slow
 def test_o_proj_partial_twin_is_wrong_numerically(twin: capture.Case) -> None:
     # every output downstream of the first residual add is wrong; the embedding's and the
     # first norm's gradients too (their gradients flow back through it)
     assert wrong_numerically(twin) == {"loss"} | {f"{p}.grad" for p in PARAMS}
 
 
+@pytest.mark.slow
 def test_llama_whole_step_refines(llama: tuple[capture.Case, float]) -> None:
     case, _ = llama
     t0 = time.perf_counter()
@@ -99,6 +102,7 @@ def test_llama_whole_step_refines(llama: tuple[capture.Case, float]) -> None:
     assert {o.name for o in report.outputs} == {"loss"} | {f"{p}.grad" for p in PARAMS}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backward", [False, True])
 def test_o_proj_partial_twin_does_not_refine(twin: capture.Case, backward: bool) -> None:
     report = (twin if backward else capture(LLAMA.make_case(bug="o_proj_partial", backward=False))).check()

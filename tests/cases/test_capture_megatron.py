@@ -55,6 +55,7 @@ def no_sp_case() -> capture.Case:
 # the correct step refines, with derived relations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["sp", "no_sp"])
 def test_megatron_mlp_whole_step_refines(which: str, sp_case: capture.Case, no_sp_case: capture.Case) -> None:
     case = sp_case if which == "sp" else no_sp_case
@@ -130,6 +131,7 @@ def test_ranks_are_captured_one_after_another_cleanly(sp_case: capture.Case) -> 
     assert all(n["attrs"]["group"] == [0, 1] for n in r1 if n["op"] in ("all_gather", "reduce_scatter"))
 
 
+@pytest.mark.slow
 def test_importing_refine_does_not_import_megatron() -> None:
     code = ("import sys, refine, refine.frontends.capture, refine.check, refine.cli\n"
             "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules), 'megatron imported'\n")
@@ -152,6 +154,7 @@ def test_ln_grad_not_all_reduced_is_found_at_the_layer_norm() -> None:
     assert rel["fc2.bias.grad"] == "(fc2.bias.grad@0 + fc2.bias.grad@1)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None:
     report = capture(MM.make_case(bug="bias_before_all_reduce", sequence_parallel=sequence_parallel)).check()
@@ -167,6 +170,7 @@ def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None
     assert report.culprit.rank_source == line_of("out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,sequence_parallel,wrong", [
     ("ln_grad_not_all_reduced", True, SP_PARAMS),
     ("ln_grad_not_all_reduced", False, set()),  # without SP there is nothing to finalize

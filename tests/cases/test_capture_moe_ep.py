@@ -49,6 +49,7 @@ def twin(request: pytest.FixtureRequest) -> tuple[str, capture.Case]:
 # the correct step
 
 
+@pytest.mark.slow
 def test_moe_ep_refines(case: capture.Case) -> None:
     t0 = time.perf_counter()
     report = check(*case)
@@ -88,6 +89,7 @@ def test_the_correct_step_is_right_numerically(case: capture.Case) -> None:
     assert wrong_numerically(case) == set()
 
 
+@pytest.mark.slow
 def test_moe_ep_on_four_ranks_refines() -> None:
     report = timed_capture(MOE.make_case(world_size=4, experts=8)).check()
     assert report.refines, report
@@ -103,6 +105,7 @@ WRONG = {
 }
 
 
+@pytest.mark.slow
 def test_twin_is_wrong_exactly_where_expected(twin: tuple[str, capture.Case]) -> None:
     bug, c = twin
     assert wrong_numerically(c) == WRONG[bug]

@@ -55,6 +55,7 @@ def fsdp_case() -> capture.Case:
 # expert parallelism: a replicated router, experts split over the ranks
 
 
+@pytest.mark.slow
 def test_moe_router_refines(moe_case: capture.Case) -> None:
     report = check(*moe_case)
     assert report.refines, report
@@ -103,6 +104,7 @@ def test_router_grad_not_summed_does_not_refine(moe_bug_case: capture.Case) -> N
 # FSDP (ZeRO-3): parameters sharded, gathered for use, gradients reduce-scattered
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_refines(fsdp_case: capture.Case) -> None:
     report = check(*fsdp_case)
     assert report.refines, report
@@ -138,6 +140,7 @@ def test_fsdp_reduce_scatter_sum_not_avg() -> None:
     assert [n for n in culprit.rank_nodes if f"at {scatter}, computes fc1.weight.grad@" in n], culprit.rank_nodes
 
 
+@pytest.mark.slow
 def test_fsdp_mlp_on_four_ranks_refines() -> None:
     report = timed_capture(FSDP.make_case(world_size=4)).check()
     assert report.refines, report

@@ -48,6 +48,7 @@ def grads(stages: int) -> set[str]:
     return {"embed.weight.grad"} | {f"blocks.{i}.fc.{p}.grad" for i in range(stages) for p in ("weight", "bias")}
 
 
+@pytest.mark.slow
 def test_stages_hold_their_own_parameters(three_stages: capture.Case) -> None:
     rels = {r["from"]: r for r in three_stages.dist_doc["relations"]}
     assert rels["embed.weight"]["layout"] == ["embed.weight@0", "embed.weight@2"]  # first and last stage
@@ -70,6 +71,7 @@ def test_documents_match_the_schema(three_stages: capture.Case) -> None:
     assert not list(validator.iter_errors(three_stages.dist_doc))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [2, 3])
 def test_pipeline_refines(stages: int, three_stages: capture.Case) -> None:
     case = three_stages if stages == 3 else capture(PP.make_case(world_size=stages))

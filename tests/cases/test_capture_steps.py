@@ -64,6 +64,7 @@ def test_accumulation_is_unrolled_and_the_grads_are_the_accumulated_ones(accum_c
     assert wrong_numerically(accum_case) == set()
 
 
+@pytest.mark.slow
 def test_accumulation_refines(accum_case: capture.Case) -> None:
     report = accum_case.check()
     assert report.refines, report
@@ -74,6 +75,7 @@ def test_four_micro_batches_compute_the_sequential_step() -> None:
     assert wrong_numerically(captured(ACCUM, world_size=2, micro_batches=4)) == set()
 
 
+@pytest.mark.slow
 def test_accumulation_with_four_micro_batches_refines() -> None:
     report = captured(ACCUM, world_size=2, micro_batches=4).check()
     assert report.refines, report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from refine.cli import main
@@ -42,6 +43,7 @@ def test_rules_list_shows_every_rule_and_what_fired_in_a_check() -> None:
     assert fired["embedding-vocab-split"] == 0  # no embedding in an MLP
 
 
+@pytest.mark.slow
 def test_rules_verify_catches_a_wrong_rule_in_an_extra_dir(tmp_path: Path) -> None:
     (tmp_path / "wrong.py").write_text(WRONG)
     bad = CliRunner().invoke(main, ["rules", "verify", "--rules", str(tmp_path), "--only", "tmp-wrong-slice-cat",

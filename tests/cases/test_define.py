@@ -340,6 +340,7 @@ def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Pat
     return tmp_path / "seq.json", tmp_path / "dist.json"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 def test_copied_kv_heads_over_uneven_ranks_refine(tmp_path: Path, rotary: bool) -> None:
     """With the rotary, the scores relate only through prove.infer's fact retry (chains from
@@ -351,6 +352,7 @@ def test_copied_kv_heads_over_uneven_ranks_refine(tmp_path: Path, rotary: bool) 
     assert [r.ok for r in differential(seq, dist, REG, seed=0)] == [True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 def test_a_kv_copy_of_the_wrong_head_does_not_refine(tmp_path: Path, rotary: bool) -> None:
     """Rank 0's second local head holds KV head 1 instead of a copy of 0: no layout reads

@@ -59,6 +59,7 @@ def test_every_case_has_an_expectation() -> None:
     assert set(_make_examples().CASES) == set(EXPECTED)
 
 
+@pytest.mark.slow
 def test_checked_in_files_are_regenerated() -> None:
     for name, make in _make_examples().CASES.items():
         seq, dist = make()

@@ -86,6 +86,7 @@ def test_every_operator_is_exercised() -> None:
     assert {o for o, _, _ in TP_BUGS + SP_BUGS} == set(OPERATORS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("operator", "site", "ranks"), TP_BUGS, ids=[f"{o}-{s}-{r}" for o, s, r in TP_BUGS])
 def test_tp_mlp_mutants_are_caught(tmp_path: Path, operator: str, site: str, ranks: list[int] | None) -> None:
     assert _outcome(_tp_mlp(tmp_path), operator, site, ranks) == "caught"
@@ -97,6 +98,7 @@ def test_sp_mlp_mutants_are_caught(operator: str, site: str, ranks: list[int] | 
     assert _outcome((case / "seq.json", case / "dist.json"), operator, site, ranks) == "caught"
 
 
+@pytest.mark.slow
 def test_a_neutral_mutation_refines(tmp_path: Path) -> None:
     """b1 is replicated: rank 0 reading rank 1's copy computes the same (REFINES, equal)."""
     assert _outcome(_tp_mlp(tmp_path), "wrong_shard", "b1", [0]) == "neutral"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from refine.ops.registry import load_registry, rewrite
 from refine.prove.harness import Harness
 from tests.helpers import ROOT
@@ -43,6 +45,7 @@ def test_without_the_rule_file_the_op_is_unknown() -> None:
     assert "unknown op 'cumsum'" in r.stderr and "$.graph.nodes[0].op" in r.stderr
 
 
+@pytest.mark.slow
 def test_the_new_rules_are_sound_and_fire() -> None:
     reg = load_registry([EXAMPLE])
     results = {r.rule: r for r in Harness(reg, seed=0).run(["cumsum-over-cat", "slice-into-cumsum"])}
@@ -61,6 +64,7 @@ def test_a_wrong_cumsum_rule_is_caught() -> None:
     assert res.fired and res.failures
 
 
+@pytest.mark.slow
 def test_with_the_rule_file_the_model_refines_and_the_bug_is_found() -> None:
     ok = _refine("check", *_case("case"), "--rules", str(EXAMPLE))
     assert ok.returncode == 0, ok.stdout + ok.stderr

@@ -208,6 +208,7 @@ def test_the_other_budgets_stop_a_step_too(tmp_path: Path, monkeypatch: pytest.M
     assert report.stats["bounded"] > 0, report.stats
 
 
+@pytest.mark.slow
 def test_a_runaway_rule_stops_at_the_default_budget(tmp_path: Path) -> None:
     """scale-sum and sum-flatten without their guard are the runaway this file is about (the
     expectation's step: 2.7K, 113K matches, then an iteration of more than 20 minutes): the
@@ -223,6 +224,7 @@ def test_a_runaway_rule_stops_at_the_default_budget(tmp_path: Path) -> None:
     assert report.stats["bounded"] > 0, report.stats
 
 
+@pytest.mark.slow
 def test_the_harness_checks_the_self_sum_index() -> None:
     """A wrong SumStop index (every sum said to hold like terms) is caught by the soundness
     harness, which reads its true entries back (refine/prove/harness.py)."""

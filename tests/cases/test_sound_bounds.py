@@ -164,6 +164,7 @@ def test_integer_beyond_what_python_reads(tmp_path: Path) -> None:
     refused(cli(s, d), s, "$", "unreadable JSON", "5000 digits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("node", [
     {"op": "masked_fill", "args": ["x", "m"], "attrs": {"value": float("-inf")}},  # attention masks
     {"op": "where", "args": ["m", "x", float("-inf")]},

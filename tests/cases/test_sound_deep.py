@@ -85,6 +85,7 @@ def _write(tmp_path: Path, seq: Doc, dist: Doc) -> tuple[Path, Path]:
 
 
 # 400 elementwise ops: the size the recursion first died at
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,n", [("elementwise", 400), *((k, 2000) for k in KINDS)])
 def test_long_correct_chain_refines(tmp_path: Path, kind: str, n: int) -> None:
     report = check_files(*_write(tmp_path, *chain_pair(kind, n)))
@@ -92,6 +93,7 @@ def test_long_correct_chain_refines(tmp_path: Path, kind: str, n: int) -> None:
     assert report.stats["seq_nodes"] >= n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_long_buggy_chain_does_not_refine(tmp_path: Path, kind: str) -> None:
     n = 2000

@@ -134,6 +134,7 @@ def _refines_unverified(case: str | Path, rules: Path) -> bool:
     return check(seq, load_dist(dist_path, reg, seq), reg).refines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(WRONG))
 def test_a_wrong_rule_is_refused_naming_it(tmp_path: Path, shape: str) -> None:
     text, case, rule = WRONG[shape]
@@ -242,6 +243,7 @@ OPS = [Op("tmp_double", 1, lambda ins, a: ins[0], ref=lambda x: 2 * x,
             in r.output
 
 
+@pytest.mark.slow
 def test_a_new_op_declared_elementwise_wrongly_is_refused(tmp_path: Path) -> None:
     """The built-in templates make rules for every unary op (through concats, into slices):
     for a new op they are new rules, verified like the family's own. A reversal declared
@@ -265,6 +267,7 @@ def _cache_files(cache: Path) -> list[Path]:
     return sorted((cache / "verified-rules").glob("*.json"))
 
 
+@pytest.mark.slow
 def test_a_correct_family_is_verified_once_and_cached(tmp_path: Path, cache: Path, harnesses: list[bool]) -> None:
     rules = tmp_path / "cumsum_rules"
     rules.mkdir()
@@ -301,6 +304,7 @@ def test_a_correct_family_is_verified_once_and_cached(tmp_path: Path, cache: Pat
     assert stored is not None and stored.findings == [] and stored.rules == ["cumsum-over-cat", "slice-into-cumsum"]
 
 
+@pytest.mark.slow
 def test_an_edited_rule_file_is_read_again_in_the_same_process(tmp_path: Path, harnesses: list[bool]) -> None:
     """A long-lived process (a notebook) that edits a verified family into a wrong one gets
     the new rules verified, not the old registry under the new content's key."""
@@ -315,6 +319,7 @@ def test_an_edited_rule_file_is_read_again_in_the_same_process(tmp_path: Path, h
     assert "rule tmp-cumsum-over-cat: unsound" in bad.output
 
 
+@pytest.mark.slow
 def test_a_tampered_cache_entry_is_not_trusted(tmp_path: Path, cache: Path) -> None:
     """An entry claiming a wrong rule verified, without a matching checksum or under another
     key, is ignored: the rule is verified again and refused."""

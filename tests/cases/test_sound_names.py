@@ -279,6 +279,7 @@ def test_half_a_surrogate_pair_is_refused_at_load(tmp_path: Path, half: str, whe
 # made equal to x
 
 
+@pytest.mark.slow
 def test_a_rank_tensor_named_like_the_synthetic_copies_keeps_its_definition(tmp_path: Path) -> None:
     from refine.check import engine_for
     from refine.prove.copies import join_copies

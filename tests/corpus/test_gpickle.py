@@ -15,6 +15,7 @@ from tests.unit.test_ops_framework import IMPORTED, WRAPPERS, _coverage
 pytestmark = pytest.mark.corpus
 
 
+@pytest.mark.slow
 def test_every_corpus_file_loads() -> None:
     files = sorted(CORPUS.glob("**/*.gpickle"))
     assert len(files) > 100
@@ -25,6 +26,7 @@ def test_every_corpus_file_loads() -> None:
         assert refs <= set(g.index), f
 
 
+@pytest.mark.slow
 def test_every_corpus_call_target_is_covered() -> None:
     import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional ops
 

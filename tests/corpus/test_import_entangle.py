@@ -115,6 +115,7 @@ def test_qwen2_tp2_refines(tmp_path: Path) -> None:
     assert hidden.ok and "<" not in hidden.relation, hidden.relation  # no opaque leaf: every node related
 
 
+@pytest.mark.slow
 def test_qwen2_tp4_refines(tmp_path: Path) -> None:
     """TP4: 12 query heads over 4 ranks (3 each), 2 KV heads each replicated on two ranks.
     The fused layout lists both copies (importer.fused_layouts); the replica facts prove each
@@ -195,6 +196,7 @@ def test_bug_missing_layernorm_allreduce_imports(tmp_path: Path) -> None:
     assert any(n["op"] == "cast_trunc_t" for n in dist["ranks"][0]["graph"]["nodes"])
 
 
+@pytest.mark.slow
 def test_bug_missing_layernorm_allreduce_verdict(tmp_path: Path) -> None:
     """DOES NOT REFINE, localized at the layer-norm weight gradient: each rank adds its own
     tokens' apex weight gradient to main_grad (add_24), and the relation of that gradient is
@@ -230,6 +232,7 @@ def test_gpt_tp2_refines(tmp_path: Path) -> None:
     assert o.ok and o.relation == "output@0"
 
 
+@pytest.mark.slow
 def test_gpt_tp8_refines(tmp_path: Path) -> None:
     """Megatron GPT, one layer, TP8: the cross-entropy's softmax sums exp over a concat of 8
     vocab shards. The concat is a balanced tree (refine.ir.term.cat), so splitting the sum over
@@ -255,6 +258,7 @@ def test_gpt_without_the_constants_does_not_refine(tmp_path: Path) -> None:
     assert report.culprit.source == "cross_entropy.py:245"
 
 
+@pytest.mark.slow
 def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
     """With relations/aws_llama_tp6.json (written by models/entangle/make_aws_llama_tp6.py)
     the TP6 dumps import: the real parts of the padded shards are layouts, every rank's

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.corpus
 REG = load_registry()
 
 
+@pytest.mark.slow
 def test_corpus_mutants_are_caught(tmp_path: Path) -> None:
     """aws_llama TP2 one layer (a check is a few CPU seconds): a dropped all_reduce on one
     rank and a residual added before the sum on every rank."""

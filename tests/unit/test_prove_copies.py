@@ -96,6 +96,7 @@ def _load(seq_path: Path, dist_path: Path) -> tuple[Any, Any]:
     return seq, load_dist(dist_path, REG, seq)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 def test_copied_kv_heads_refine(tmp_path: Path, rotary: bool) -> None:
     seq_path, dist_path = _case(tmp_path, rotary=rotary)
@@ -104,6 +105,7 @@ def test_copied_kv_heads_refine(tmp_path: Path, rotary: bool) -> None:
     assert [r.ok for r in differential(*_load(seq_path, dist_path), REG, seed=0)] == [True]
 
 
+@pytest.mark.slow
 def test_the_copies_are_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the joined copies the scores do not relate (rank 2's key is named by no
     relation): the case tests refine.prove.copies, not something else."""
@@ -132,6 +134,7 @@ def test_the_joined_forms(tmp_path: Path) -> None:
         assert prog.same.find(x) == prog.same.find(x.replace("#copies", ""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("holds", [{0: (0, 0), 1: (0, 1), 2: (1, 0)}, {0: (0, 1), 1: (0, 1), 2: (1, 1)}],
                          ids=["rank2-swapped", "rank0-second-head"])
 def test_a_wrong_copy_does_not_refine(tmp_path: Path, holds: dict[int, tuple[int, ...]]) -> None:
@@ -144,6 +147,7 @@ def test_a_wrong_copy_does_not_refine(tmp_path: Path, holds: dict[int, tuple[int
     assert [r.ok for r in differential(*_load(seq_path, dist_path), REG, seed=0)] == [False]
 
 
+@pytest.mark.slow
 def test_a_second_layer_is_replayed_with_its_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two layers: the second's steps told the defines' facts (a rank's key weight is copies
     of its own heads) are replayed from the first's, each renamed fact checked to be a fact

@@ -75,6 +75,7 @@ def _no_replay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Replayer, "replay", lambda self, term: None)
 
 
+@pytest.mark.slow
 def test_identical_layers_are_replayed_and_the_verdict_is_unchanged(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     paths = _stack(tmp_path / "a")
@@ -91,6 +92,7 @@ def test_identical_layers_are_replayed_and_the_verdict_is_unchanged(tmp_path: Pa
     assert [(o.name, o.ok) for o in report.outputs] == [(o.name, o.ok) for o in again.outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug_layer", [1, 2])
 def test_a_bug_in_one_layer_is_found_in_that_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      bug_layer: int) -> None:
@@ -106,6 +108,7 @@ def test_a_bug_in_one_layer_is_found_in_that_layer(tmp_path: Path, monkeypatch: 
         (report.culprit.node, report.culprit.rank_node)
 
 
+@pytest.mark.slow
 def test_every_term_colliding_falls_back_to_proving(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With one key for every term, every earlier step is a candidate for every node: the
     premise check turns the wrong ones down, so the verdicts and the culprit stand."""
@@ -175,6 +178,7 @@ def test_concat_nesting_is_one_canonical_form() -> None:
     assert canon(mixed, str) == Term("cat", (Term("cat", (a, b), (0,)), c, d), (1,))
 
 
+@pytest.mark.slow
 def test_a_differently_nested_concat_is_still_replayed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Four ranks: fc1's relation is a concat of four parts. Offered to the replayer nested
     as a right chain (not the balanced tree an earlier layer's steps were told), the later layers'

@@ -25,17 +25,20 @@ def results() -> dict[str, RuleResult]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", RULE_NAMES)
 def test_rule_is_sound(results: dict[str, RuleResult], name: str) -> None:
     r = results[name]
     assert not r.failures, f"rule {name} is unsound on random seeds:\n" + "\n".join(r.failures[:8])
 
 
+@pytest.mark.slow  # the harness run over every rule it shares with test_rule_is_sound
 def test_every_rule_fires(results: dict[str, RuleResult]) -> None:
     missing = sorted(n for n in RULE_NAMES if not results[n].fired)
     assert not missing, f"rules never exercised by the seeds: {missing}"
 
 
+@pytest.mark.slow  # the harness run over every rule it shares with test_rule_is_sound
 def test_every_rule_is_checked(results: dict[str, RuleResult]) -> None:
     assert set(results) == set(RULE_NAMES)
     assert all(r.checked > 0 for r in results.values())
@@ -76,6 +79,7 @@ def symbolic_results() -> dict[str, RuleResult]:
     return {r.rule: r for r in h.run()}
 
 
+@pytest.mark.slow
 def test_symbolic_rules_are_sound_and_fire(symbolic_results: dict[str, RuleResult]) -> None:
     assert set(symbolic_results) == set(SYMBOLIC_NAMES)
     # only rules that turn sizes into numbers (f64 constants, big rationals) are concrete-only
