@@ -132,6 +132,7 @@ def test_clip_grad_norm_without_foreach_refines() -> None:
     assert report.refines, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug, line", [
     # each replicated gradient's squares counted on both ranks: every rank adds the whole
     # replicated gradients' squares to its partial sum of the sharded ones' before the

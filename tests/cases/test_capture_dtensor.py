@@ -137,6 +137,7 @@ def test_grad_placements_partial_doubles_every_gradient() -> None:
     assert w2.relation == "fc2.weight.grad@0" and "fc2.weight.grad@0 + fc2.weight.grad@1" in w2.detail
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,sp,culprit,rank_culprit", [
     # the square of the partial output has no clean relation: no rank node to name
     ("partial_output_loss", False, "loss = F.mse_loss(out, target)", None),

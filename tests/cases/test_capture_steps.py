@@ -81,6 +81,7 @@ def test_accumulation_with_four_micro_batches_refines() -> None:
     assert report.refines, report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug,wrong,snippet,output", [
     # grads M times too small; the reported loss is right. Every sequential relation is clean
     # and every failing output is twice what the ranks hold (the report shows 2 * ...@0): the

@@ -162,6 +162,7 @@ FAMILIES: dict[str, tuple[Build, Build, dict[str, tuple[list[int], str]], str, B
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_repeated_terms_refine(tmp_path: Path, family: str) -> None:
     seq, rank, inputs, expect, _ = FAMILIES[family]
@@ -170,6 +171,7 @@ def test_repeated_terms_refine(tmp_path: Path, family: str) -> None:
     assert report.stats["bounded"] == 0, report.stats  # proven by the rules, not cut short
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_wrong_factor_does_not_refine(tmp_path: Path, family: str) -> None:
     _, rank, inputs, expect, wrong = FAMILIES[family]
