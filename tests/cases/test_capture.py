@@ -71,6 +71,7 @@ def test_tp_mlp_documents(tp_case: capture.Case) -> None:
     assert [n["source"] for n in ln] == [line_of(path, "h = F.gelu(self.fc1(self.ln(x)))")]
 
 
+@pytest.mark.slow
 def test_tp_mlp_cli_writes_a_pair_that_checks(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["capture", f"{MODELS / 'tp_mlp.py'}:make_case", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

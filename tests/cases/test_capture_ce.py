@@ -222,6 +222,7 @@ def test_a_factor_becomes_a_float_constant_only_when_exact(factor: Fraction, fir
     assert fired == fires
 
 
+@pytest.mark.slow
 def test_a_wrong_lookup_rule_is_caught(tmp_path: Path) -> None:
     """The tempting rule without the outer mask (out-of-range targets not zeroed: the
     target_mask_missing bug as a rule) is reported unsound."""

@@ -74,6 +74,7 @@ def test_gqa_refines(world: int, heads: int, kv: int) -> None:
         assert exp["k.weight.grad"] == exp["v.weight.grad"] == ["Shard(0)", "Replicate"]
 
 
+@pytest.mark.slow
 def test_gqa_kv_grad_not_summed() -> None:
     """Replicated kv heads whose gradients are not all-reduced over their group: each
     replica holds its own query heads' share; the report shows the missing sums."""

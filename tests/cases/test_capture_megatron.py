@@ -111,6 +111,7 @@ def test_the_deriver_reads_megatrons_attributes() -> None:
     assert annotation_of(b).placements == ((None, "Replicate"),)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_cli_capture_then_check(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["capture", f"{CASE}:make_case", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

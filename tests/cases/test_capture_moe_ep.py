@@ -111,6 +111,7 @@ def test_twin_is_wrong_exactly_where_expected(twin: tuple[str, capture.Case]) ->
     assert wrong_numerically(c) == WRONG[bug]
 
 
+@pytest.mark.slow
 def test_twin_does_not_refine(twin: tuple[str, capture.Case]) -> None:
     bug, c = twin
     report = c.check()

@@ -120,6 +120,7 @@ def test_fsdp_mlp_refines(fsdp_case: capture.Case) -> None:
     assert {n["attrs"]["reduce_op"] for n in scatters} == {"avg"}
 
 
+@pytest.mark.slow
 def test_fsdp_reduce_scatter_sum_not_avg() -> None:
     case = timed_capture(FSDP.make_case(bug="reduce_scatter_sum_not_avg"))
     assert wrong_numerically(case) == FSDP_GRADS

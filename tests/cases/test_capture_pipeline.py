@@ -82,6 +82,7 @@ def test_pipeline_refines(stages: int, three_stages: capture.Case) -> None:
     assert any("held whole by ranks [0, 2]" in g for g in report.guesses) or stages == 2
 
 
+@pytest.mark.slow
 def test_tied_gradient_not_reduced() -> None:
     case = capture(PP.make_case(world_size=3, bug="tied_grad_not_reduced"))
     assert wrong_numerically(case) == {"embed.weight.grad"}

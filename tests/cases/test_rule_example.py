@@ -54,6 +54,7 @@ def test_the_new_rules_are_sound_and_fire() -> None:
         assert r.fired and r.checked > 0 and not r.failures, r
 
 
+@pytest.mark.slow
 def test_a_wrong_cumsum_rule_is_caught() -> None:
     reg = load_registry([EXAMPLE])
     # wrong: along its own dim a running sum does not split (the second block needs the first's total)

@@ -100,6 +100,7 @@ def test_a_guessed_replicate_the_values_contradict_is_refused() -> None:
             "rank 0 differs from the sequential tensor it should replicate (ranks [1] hold it)")
 
 
+@pytest.mark.slow
 def test_data_shards_in_another_order_on_a_dp_tp_mesh_are_refused() -> None:
     """Data inputs have values too: x Shard(0) over dp, given to the dp ranks in reverse order."""
     spec = TP.make_case(world_size=4, dp=2)

@@ -116,6 +116,7 @@ def test_the_copies_are_needed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not check_files(seq_path, dist_path).refines
 
 
+@pytest.mark.slow
 def test_the_joined_forms(tmp_path: Path) -> None:
     """Each rank's key (the rotary's concat) is the concat of broadcasts of the first
     holders' unit heads: rank 2's both heads are rank 1's head 1."""
