@@ -1,7 +1,7 @@
 """Generate the example cases in models/: correct distributed programs and buggy twins.
 
 Run `python models/make_examples.py` to rewrite every models/<case>/{seq,dist}.json.
-Each bug twin reproduces a real bug pattern; tests/test_examples.py says which node each
+Each bug twin reproduces a real bug pattern; tests/cases/test_examples.py says which node each
 one must be localized to.
 """
 

@@ -1,4 +1,6 @@
-"""Shared test setup."""
+"""Shared test setup: a cache directory of the session's own, the registry as a fixture, and
+what the markers registered in pyproject.toml mean at run time (`corpus` tests skip without
+the corpus; `heavy` ones run only with --heavy)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,21 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+from refine.ops.registry import Registry, load_registry
+from tests.helpers import CORPUS, NO_CORPUS
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--heavy", action="store_true",
+                     help="also run the tests marked heavy (more memory than a 2-core CI machine has)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("corpus") is not None and not CORPUS.is_dir():
+        pytest.skip(NO_CORPUS)
+    if item.get_closest_marker("heavy") is not None and not item.config.getoption("--heavy"):
+        pytest.skip("more memory than a 2-core CI machine has (see the test's docstring): run with --heavy")
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -19,3 +36,9 @@ def _refine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("REFINE_CACHE_DIR", None)
     else:
         os.environ["REFINE_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def registry() -> Registry:
+    """The built-in rule families (load_registry caches them: one load per test process)."""
+    return load_registry()

@@ -1,0 +1,183 @@
+"""Capture Megatron-core's own tensor- and sequence-parallel layers (megatron-core 0.16, CPU)
+and check them end to end: the parameters' relations come from Megatron's marks
+(refine.frontends.capture.megatron), not from annotations or guesses.
+
+Skipped when megatron-core is not installed (it is in the `dev` extra).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import capture as helpers
+from tests.helpers.capture import failing, load_model, wrong_numerically
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[dev]')")
+
+from click.testing import CliRunner  # noqa: E402
+
+from refine import capture  # noqa: E402
+from refine.check import check_files  # noqa: E402
+from refine.cli import main  # noqa: E402
+from refine.frontends.capture import CaptureError, megatron  # noqa: E402
+from refine.frontends.capture.annotate import DERIVERS, annotation_of  # noqa: E402
+from tests.helpers.capture import MODELS
+
+CASE = MODELS / "megatron_mlp.py"
+
+
+CURRENT_DEVICE = torch.cuda.current_device
+MM = load_model("megatron_mlp")
+GRADS = {f"{p}.grad" for p in ("ln.weight", "ln.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")}
+SP_PARAMS = {"ln.weight.grad", "ln.bias.grad", "fc2.bias.grad"}  # marked sequence_parallel under SP
+
+
+def line_of(snippet: str) -> str:
+    return helpers.line_of(CASE, snippet)
+
+
+@pytest.fixture(scope="module")
+def sp_case() -> capture.Case:
+    return capture(MM.make_case())
+
+
+@pytest.fixture(scope="module")
+def no_sp_case() -> capture.Case:
+    return capture(MM.make_case(sequence_parallel=False))
+
+
+# ---------------------------------------------------------------------------------------
+# the correct step refines, with derived relations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["sp", "no_sp"])
+def test_megatron_mlp_whole_step_refines(which: str, sp_case: capture.Case, no_sp_case: capture.Case) -> None:
+    case = sp_case if which == "sp" else no_sp_case
+    report = case.check()
+    assert report.refines, report
+    assert {o.name for o in report.outputs} == {"loss"} | GRADS
+    assert report.guesses == [] and case.guesses == []  # every relation derived or annotated
+    (loss,) = [o for o in report.outputs if o.name == "loss"]
+    assert loss.relation == "loss@0"  # Replicate: every rank holds the sequential loss
+
+
+@pytest.mark.parametrize("which", ["sp", "no_sp"])
+def test_relations_are_derived_from_megatrons_marks(which: str, sp_case: capture.Case,
+                                                    no_sp_case: capture.Case) -> None:
+    case = sp_case if which == "sp" else no_sp_case
+    rel = {r["from"]: r["placements"] for r in case.dist_doc["relations"]}
+    data = ["Shard(0)"] if which == "sp" else ["Replicate"]  # Megatron's [s, b, h]: split along s
+    assert rel == {"fc1.weight": ["Shard(0)"], "fc1.bias": ["Shard(0)"], "fc2.weight": ["Shard(1)"],
+                   "fc2.bias": ["Replicate"], "ln.weight": ["Replicate"], "ln.bias": ["Replicate"],
+                   "x": data, "target": data}
+    exp = {e["output"]: e["placements"] for e in case.dist_doc["expectations"]}
+    assert exp["fc1.weight.grad"] == ["Shard(0)"] and exp["fc2.weight.grad"] == ["Shard(1)"]
+    assert exp["ln.weight.grad"] == exp["fc2.bias.grad"] == exp["loss"] == ["Replicate"]
+    # the rank programs are Megatron's: all-gather / reduce-scatter under SP, all-reduce without
+    ops = {n["op"] for n in case.dist_doc["ranks"][0]["graph"]["nodes"]}
+    assert ({"all_gather", "reduce_scatter"} <= ops) == (which == "sp")
+    assert "all_reduce" in ops
+
+
+def test_the_deriver_reads_megatrons_attributes() -> None:
+    w = torch.zeros(4, 2)
+    assert megatron.derive(w) is None  # unmarked: left to annotations or the guess
+    w.tensor_model_parallel, w.partition_dim, w.partition_stride = True, 1, 1
+    assert megatron.derive(w).placements == (("tp", "Shard(1)"),)  # type: ignore[union-attr]
+    ln = torch.zeros(4)
+    ln.sequence_parallel = True
+    assert megatron.derive(ln, axis="model").placements == (("model", "Replicate"),)  # type: ignore[union-attr]
+    w.partition_stride = 2
+    with pytest.raises(CaptureError, match="partition_stride=2"):
+        megatron.derive(w)
+    try:  # the axis is configurable; one Megatron deriver is registered at a time
+        megatron.register(axis="model")
+        ln2 = torch.zeros(4)
+        ln2.sequence_parallel = True
+        assert annotation_of(ln2).placements == (("model", "Replicate"),)  # type: ignore[union-attr]
+        assert sum(1 for d in DERIVERS if d.__name__ == "megatron_marks") == 1
+    finally:
+        megatron.register()
+    # an explicit refine annotation wins over Megatron's marks
+    b = capture.replicate(torch.zeros(4))
+    b.tensor_model_parallel, b.partition_dim = True, 0
+    assert annotation_of(b).placements == ((None, "Replicate"),)  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_cli_capture_then_check(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["capture", f"{CASE}:make_case", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "GUESSED" not in result.output and "fc2.weight: [Shard(1)]" in result.output
+    report = check_files(tmp_path / "seq.json", tmp_path / "dist.json")
+    assert report.refines, report
+
+
+def test_ranks_are_captured_one_after_another_cleanly(sp_case: capture.Case) -> None:
+    from megatron.core import parallel_state
+
+    assert not parallel_state.model_parallel_is_initialized()  # torn down after each rank
+    assert not torch.distributed.is_initialized()
+    assert torch.cuda.current_device is CURRENT_DEVICE  # the CPU patch is gone again
+    # rank 1 traced after rank 0 in the same process: its own group, its own pieces
+    r0, r1 = (r["graph"]["nodes"] for r in sp_case.dist_doc["ranks"])
+    assert [n["op"] for n in r0] == [n["op"] for n in r1]
+    assert all(n["attrs"]["group"] == [0, 1] for n in r1 if n["op"] in ("all_gather", "reduce_scatter"))
+
+
+@pytest.mark.slow
+def test_importing_refine_does_not_import_megatron() -> None:
+    code = ("import sys, refine, refine.frontends.capture, refine.check, refine.cli\n"
+            "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules), 'megatron imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------
+# the seeded bugs
+
+
+def test_ln_grad_not_all_reduced_is_found_at_the_layer_norm() -> None:
+    report = capture(MM.make_case(bug="ln_grad_not_all_reduced")).check()
+    assert not report.refines
+    assert failing(report) == SP_PARAMS
+    assert report.culprit is not None
+    assert report.culprit.source == line_of("h = F.gelu(self.fc1(self.ln(x)))")  # the layer norm's backward
+    # each rank holds a partial sum: the sequential gradient is their sum, the missing all-reduce
+    rel = {o.name: o.relation for o in report.outputs}
+    assert rel["ln.weight.grad"] == "(ln.weight.grad@0 + ln.weight.grad@1)"
+    assert rel["fc2.bias.grad"] == "(fc2.bias.grad@0 + fc2.bias.grad@1)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_bias_before_all_reduce_does_not_refine(sequence_parallel: bool) -> None:
+    report = capture(MM.make_case(bug="bias_before_all_reduce", sequence_parallel=sequence_parallel)).check()
+    assert not report.refines
+    assert "loss" in failing(report)
+    assert report.culprit is not None
+    # fc2's output still has a clean relation, over rank intermediates (rank 0's partial
+    # product with the bias, rank 1's without); the culprit is fc2, whose inputs are the
+    # partial sum and the bias every rank adds to its piece before the reduction
+    assert report.culprit.source == line_of("return self.fc2(h)")
+    assert any("fc2.bias" in rel for _, rel in report.culprit.inputs)
+    # the rank node that adds the bias to its partial product, in the buggy RowParallelLinear
+    assert report.culprit.rank_source == line_of("out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug,sequence_parallel,wrong", [
+    ("ln_grad_not_all_reduced", True, SP_PARAMS),
+    ("ln_grad_not_all_reduced", False, set()),  # without SP there is nothing to finalize
+    ("bias_before_all_reduce", True, {"loss"} | GRADS),
+    ("bias_before_all_reduce", False, {"loss"} | GRADS),
+])
+def test_twins_are_numerically_wrong_exactly_where_expected(bug: str, sequence_parallel: bool, wrong: set[str],
+                                                            sp_case: capture.Case, no_sp_case: capture.Case) -> None:
+    assert wrong_numerically(sp_case if sequence_parallel else no_sp_case) == set()
+    assert wrong_numerically(capture(MM.make_case(bug=bug, sequence_parallel=sequence_parallel))) == wrong

@@ -1,0 +1,63 @@
+"""Execute notebooks/localize_bug.ipynb headlessly and check what it shows.
+
+The kernel is this interpreter: a throwaway kernelspec (argv[0] = sys.executable) is put
+first on JUPYTER_PATH, so neither a user-level `python3` kernelspec nor whatever `python`
+is on PATH can pick another environment. A cell prepended in memory prints the kernel's
+sys.prefix, which must be ours.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import nbclient
+import nbformat
+import pytest
+
+from tests.helpers import ROOT
+
+NOTEBOOKS = ROOT / "notebooks"
+KERNEL = "refine-test-venv"
+
+
+def _texts(outputs: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for o in outputs:
+        if o.get("output_type") == "stream":
+            out.append(o.get("text", ""))
+        data = o.get("data", {})
+        out += [data[k] for k in ("text/plain", "text/html") if k in data]
+    return out
+
+
+def test_localize_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = tmp_path / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "refine (test venv)", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # the notebook's %matplotlib inline still yields PNGs
+
+    path = NOTEBOOKS / "localize_bug.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
+        "commit the notebook with its outputs cleared"
+    nb.cells.insert(0, nbformat.v4.new_code_cell("import sys, refine\nprint('KERNEL-PREFIX', sys.prefix)"))
+
+    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=120,
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError on the first failing cell
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.get("output_type") == "error"]
+    assert not errors, "\n".join("\n".join(o.get("traceback", [])) for o in errors)
+    text = "\n".join(_texts(outputs))
+    assert f"KERNEL-PREFIX {sys.prefix}" in text
+    assert "verdict: DOES NOT REFINE" in text
+    assert "culprit: fc2_bias (add)" in text
+    assert "verdict: REFINES" in text  # the correct model at the end
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure was drawn"
