@@ -1,6 +1,6 @@
 """The engine proves a repeated layer once: steps whose e-graph programs differ only in
 tensor names reuse the first result, renamed (and refine/prove/reuse.py replays a step whose
-premises, renamed, hold: tests/test_reuse.py)."""
+premises, renamed, hold: tests/unit/test_prove_reuse.py, tests/corpus/test_reuse.py)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ from refine.check import check_files
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.prove.policy import DEFAULT, STRATEGIES, Policy
-
-MODELS = Path(__file__).resolve().parent.parent / "models"
+from tests.helpers import MODELS
 
 
 def _without(name: str) -> Policy:

@@ -4,8 +4,6 @@ the program says the same to every walk, in any order."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from refine.check import engine_for
@@ -15,8 +13,8 @@ from refine.ops.lower import lower
 from refine.ops.registry import load_registry
 from refine.prove.walk import infer, settle
 from refine.relate.program import build_program, seq_input_relations
+from tests.helpers import MODELS
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
 REG = load_registry()
 
 
