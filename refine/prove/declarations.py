@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from refine.ir.term import LEAF_OPS, OPAQUE, Term, quote, unquote
-from refine.ops.sexp import Sexp, Sym, emit, head, names, parse, show, symbols, with_option
+from refine.ops.sexp import Sexp, Str, Sym, emit, head, names, parse, show, symbols, with_option
 
 _RULE_HEADS = ("rule", "rewrite", "birewrite")
 
@@ -155,8 +155,9 @@ class Declarations:
         return need
 
 
-def heads(sx: Sexp, tables: frozenset[str] | set[str]) -> set[str]:
-    """The tables `sx` looks up: the heads of its lists that are tables."""
+def heads(sx: Sexp, tables: frozenset[str] | set[str], strings: bool = False) -> set[str]:
+    """The tables `sx` looks up: the heads of its lists that are tables; with `strings`,
+    also those a string literal spells."""
     out: set[str] = set()
     todo = [sx]
     while todo:
@@ -166,6 +167,8 @@ def heads(sx: Sexp, tables: frozenset[str] | set[str]) -> set[str]:
             if h is not None and h in tables:
                 out.add(h)
             todo.extend(x)
+        elif strings and isinstance(x, Str) and x.text in tables:
+            out.add(x.text)
     return out
 
 

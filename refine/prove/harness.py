@@ -45,8 +45,8 @@ from refine.ir.graph import TensorType
 from refine.ir.term import Term, lit, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
 from refine.ops.registry import ArgSpec, Registry, Rule, ShapeError
-from refine.ops.sexp import Sexp, Str, Sym, emit, head
-from refine.prove.declarations import in_ruleset
+from refine.ops.sexp import Sexp, Sym, emit
+from refine.prove.declarations import heads, in_ruleset
 from refine.prove.engine import Engine
 
 ITERATIONS = 3
@@ -524,29 +524,13 @@ def ruleset_name(i: int) -> str:
 
 def query_heads(rule: Rule, names: set[str]) -> set[str]:
     """The constructors a rule's query (or rewrite's left side) mentions."""
-    return _mentions(rule.command[1], names)
+    return heads(rule.command[1], names)
 
 
 def analysis_writes(rule: Rule, names: set[str]) -> set[str]:
     """The tables an analysis rule fills: constructors its actions (or right side) apply,
     directly or through `unstable-fn`."""
-    return _mentions(rule.command[2], names, strings=True)
-
-
-def _mentions(x: Sexp, names: set[str], strings: bool = False) -> set[str]:
-    """The `names` heading a list of `x`, and with `strings` those a string literal spells."""
-    out: set[str] = set()
-    todo = [x]
-    while todo:
-        y = todo.pop()
-        if isinstance(y, tuple):
-            h = head(y)
-            if h is not None and h in names:
-                out.add(h)
-            todo.extend(y)
-        elif strings and isinstance(y, Str) and y.text in names:
-            out.add(y.text)
-    return out
+    return heads(rule.command[2], names, strings=True)
 
 
 @dataclass
