@@ -30,6 +30,7 @@ from refine.ops.registry import (
     Sample,
     ShapeError,
     broadcast_shapes,
+    index_within,
     rewrite,
     rule,
 )
@@ -183,16 +184,9 @@ HELPERS = [Helper("IndexPutBy", ("T", "IV", "T"), lambda op, i, sh, v: op("index
 # The soundness harness's seeds: indices in range, sometimes smaller than x on another dim
 def _gather_like(name: str) -> Sample:
     def args(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
-        r = gen.rng
-        x = gen.dims(r.choice([1, 2, 2, 3]))
-        d = r.randrange(len(x))
-        idx = list(x)
-        idx[d] = r.choice([1, 2, 3])
-        if len(x) > 1 and r.random() < 0.25:  # an index smaller than x on another dim
-            j = r.choice([i for i in range(len(x)) if i != d])
-            idx[j] = r.randint(1, x[j])
-        attrs = (d,) if name == "gather" else (d, r.choice([-1.0, 2.5]))
-        return [(x, "f", 0), (tuple(idx), "i", x[d])], attrs
+        x, d, idx = index_within(gen)
+        attrs = (d,) if name == "gather" else (d, gen.rng.choice([-1.0, 2.5]))
+        return [(x, "f", 0), (idx, "i", x[d])], attrs
 
     return Sample(args, count=2)
 

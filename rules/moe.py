@@ -40,7 +40,7 @@ from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder
-from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite, rule
+from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, index_within, rewrite, rule
 
 INDEX_DTYPES = ("int64", "int32")
 
@@ -244,15 +244,8 @@ def _topk(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]
 
 def _scatter(name: str) -> Any:
     def args(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
-        r = gen.rng
-        x = gen.dims(r.choice([1, 2, 2, 3]))
-        d = r.randrange(len(x))
-        idx = list(x)
-        idx[d] = r.choice([1, 2, 3])
-        if len(x) > 1 and r.random() < 0.25:
-            j = r.choice([i for i in range(len(x)) if i != d])
-            idx[j] = r.randint(1, x[j])
-        specs = [(tuple(idx), "i", x[d]), (tuple(idx), "f", 0)]
+        x, d, idx = index_within(gen)
+        specs = [(idx, "i", x[d]), (idx, "f", 0)]
         return ([(x, "f", 0)] + specs, (d,)) if name == "scatter_src" else (specs, (d, x))
 
     return args

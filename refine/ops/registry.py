@@ -164,6 +164,21 @@ class Sample:
     concat_dim: Callable[[Any, int, tuple[Any, ...]], int | None] | None = None
 
 
+def index_within(gen: Any) -> tuple[tuple[int, ...], int, tuple[int, ...]]:
+    """Random dims x, a dim d and the shape of an index along d that stays within x (what
+    gather- and scatter-like ops take): 1 to 3 entries along d, sometimes fewer than x has
+    on another dim. Drawn from `gen.rng` in a fixed order (the harness's seeds repeat)."""
+    r = gen.rng
+    x = gen.dims(r.choice([1, 2, 2, 3]))
+    d = r.randrange(len(x))
+    idx = list(x)
+    idx[d] = r.choice([1, 2, 3])
+    if len(x) > 1 and r.random() < 0.25:
+        j = r.choice([i for i in range(len(x)) if i != d])
+        idx[j] = r.randint(1, x[j])
+    return x, d, tuple(idx)
+
+
 @dataclass(frozen=True)
 class Fact:
     """What a fact relation an analysis derives says (a family's FACTS, by relation name; the
