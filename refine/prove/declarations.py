@@ -107,12 +107,6 @@ class Declarations:
     def program(self, need: Need) -> list[str]:
         return [st for st, i, t in self.statements if (i is None or i in need.rules) and (t is None or t in need.tables)]
 
-    def added(self, have: Need, need: Need) -> list[str]:
-        """The statements declaring what `need` has and `have` lacks, in their order."""
-        return [st for st, i, t in self.statements
-                if (i is not None and i in need.rules and i not in have.rules) or
-                (t is not None and t in need.tables and t not in have.tables)]
-
     def closure(self, program: str) -> Need:
         """The rules that can fire on an e-graph holding `program` and the tables they and
         it name."""

@@ -136,10 +136,11 @@ class Engine:
         return eg
 
     def _graph(self, need: Need) -> bindings.EGraph:
-        """An e-graph declaring what `need` says and maybe a little more. An e-graph is
-        cloned at each step's push and dropped at its pop, at a cost that grows with the
-        rules and tables declared (most of a step's time with all of them); building one
-        costs a few pushes, so a kept one with up to twice the rules is taken."""
+        """An e-graph declaring what `need` says and maybe a little more, each in the order
+        Declarations.program gives. An e-graph is cloned at each step's push and dropped at
+        its pop, at a cost that grows with the rules and tables declared (most of a step's
+        time with all of them); building one costs a few pushes, so a kept one with up to
+        twice the rules is taken."""
         best: Need | None = None
         for key in self._graphs:
             if need.within(key) and len(key.rules) <= 2 * len(need.rules) + GRAPH_SLACK and \
@@ -149,26 +150,18 @@ class Engine:
             eg = self._graphs.pop(best)
             self._graphs[best] = eg
             return eg
-        # a kept e-graph that lacks some of them is given what it lacks (a rule compiles
-        # in 0.1-2 ms, declaring all of a step's costs ten pushes): the one that needs the
-        # fewest added rules within the same bound. Its rules are then in another order
-        # than in a fresh one: a rule iteration finds the same matches in any order, so
-        # the e-graph holds the same equalities; only ties among cheapest terms may differ.
-        grow: Need | None = None
-        for key in self._graphs:
-            union = key.rules | need.rules
-            if len(union) <= 2 * len(need.rules) + GRAPH_SLACK and \
-                    (grow is None or len(union - key.rules) < len(need.rules - grow.rules)):
-                grow = key
-        if grow is not None and len(need.rules - grow.rules) < len(need.rules):
-            eg = self._graphs.pop(grow)
-            best = Need(grow.rules | need.rules, grow.tables | need.tables)
-            eg.run_program(*self._commands(self._decls.added(grow, best), eg))
-        else:
-            if len(self._graphs) >= GRAPHS:
-                self._graphs.pop(next(iter(self._graphs)))
-            best = need
-            eg = self._declare(need)
+        # none: a fresh one declaring just `need`. A kept one is never given rules it lacks:
+        # declared after its others, they would stand in another order than in a fresh
+        # e-graph, and egglog's rule iteration depends on that order (which matches it
+        # counts, which terms it makes, which of equally cheap terms it extracts: 22 of
+        # aws_llama TP6's first 40 steps differed). Which kept e-graph a step finds depends
+        # on the steps before it, in this check or an earlier one; declared in one order, a
+        # superset gives what a fresh e-graph gives (its other rules never fire), so a
+        # step's result depends on its program alone.
+        if len(self._graphs) >= GRAPHS:
+            self._graphs.pop(next(iter(self._graphs)))
+        best = need
+        eg = self._declare(need)
         self._graphs[best] = eg
         return eg
 

@@ -88,7 +88,8 @@ def test_partial_outputs_without_expectation_refine_as_a_sum(tmp_path: Path) -> 
 
 def test_expected_concat_matches_the_best_term_in_any_nesting() -> None:
     """The e-graph may hold the ranks' concat nested otherwise than the expectation builds it
-    (a grown step e-graph declares rules in another order: MoE EP on four ranks); concat is
+    (of equally cheap nestings, which one is extracted is egglog's choice: MoE EP on four
+    ranks got another one when kept e-graphs still grew out of order); concat is
     associative, so that is the same tensor. Other dims, orders or pieces are not."""
     from refine.check import _held
     from refine.ir.term import Term, cat, leaf, nary

@@ -17,11 +17,6 @@ from refine.cli import main
 from tests.helpers import CORPUS, RELATIONS
 
 pytestmark = pytest.mark.corpus  # the tests marked slow check whole corpus graphs: 15-25 s each
-# Both refine alone and after the rest of this file, but did not in a full `-n 2` run, after
-# other files' checks in the same process (dot_91 related by no clean relation, 0 replayed):
-# some state a check leaves behind changes what a later one proves. Left visible, not hidden.
-ORDER_DEPENDENT = pytest.mark.xfail(strict=False, reason="order-dependent: fails after some other checks "
-                                    "in the same process (see the comment at the top of the file)")
 
 
 def _import(tmp_path: Path, seq: str, dist: str, rel: str | None = None, *extra: str) -> Any:
@@ -293,7 +288,6 @@ def test_aws_llama_tp6_padding_is_defined(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@ORDER_DEPENDENT
 def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
     """TP6 one layer: each rank's key and value heads are copies of
     the KV heads its query heads read (the defines), found and proven by refine.prove.copies;
@@ -307,7 +301,6 @@ def test_aws_llama_tp6_refines(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@ORDER_DEPENDENT
 def test_aws_llama_tp6_second_layer_is_replayed(tmp_path: Path) -> None:
     """TP6 two layers: every step of the second layer is replayed from the first's, those
     told the defines' facts too (refine.prove.reuse), and the copies' proofs hit the engine's
