@@ -12,9 +12,6 @@ from collections.abc import Iterable
 from refine.prove.policy import DEFAULT, Policy
 from refine.relate.program import DistProgram
 
-# dtypes of index bookkeeping (masks, offsets): see Policy.free_index_ops
-INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
-
 _COLLECTIVES = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"})
 _VIEWS = frozenset({"view", "transpose"})
 
@@ -119,7 +116,6 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
             chosen.append(x)
         layer.add(x)
         avail.add(canon(x))
-    free = policy.free_index_ops
     walk = policy.struct_free if structural else 0
     for _ in range(hops):
         nxt: set[str] = set()
@@ -152,13 +148,6 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep)
                                          or (u in prog.copies and canon(dep) == canon(u)) for dep in d.leaves()):
                     nxt.add(u)
-                    # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
-                    # few ops over the ids each): it costs no hop, so the lookup it feeds and
-                    # the lookup's users stay as near as they are to the table
-                    if free and prog.types[u].dtype in INDEX_DTYPES:
-                        free -= 1
-                        avail.add(canon(u))
-                        todo.append(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along

@@ -75,10 +75,6 @@ class Policy:
     # equal tensor, and later steps must still reach the ranks' uses of their own
     # counterpart. Offered for ever, every later frontier would grow with each layer.
     counterpart_depth: int = 8
-    # bool/integer rank tensors a frontier takes without counting a hop: index bookkeeping
-    # (a range's mask and offset, a few ops each) must not push the lookup it feeds, and
-    # its users, out of reach.
-    free_index_ops: int = 32
     # Tensors a structural frontier (the write-back retry) takes without counting a hop,
     # through ops that only move elements (views, slices, concats, transposes, expands):
     # a rank that writes a result back into a buffer and reads it out again puts several
