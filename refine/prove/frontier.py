@@ -12,9 +12,6 @@ from collections.abc import Iterable
 from refine.prove.policy import DEFAULT, Policy
 from refine.relate.program import DistProgram
 
-# dtypes of index bookkeeping (masks, offsets): see Policy.free_index_ops
-INDEX_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8"})
-
 _COLLECTIVES = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast"})
 _VIEWS = frozenset({"view", "transpose"})
 
@@ -68,20 +65,17 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
 _WALK_OPS = frozenset({"view", "slice", "cat", "transpose", "expand"})
 
 
-def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str], any_op: bool = False) -> bool:
+def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str]) -> bool:
     """Whether `x` is computed from available tensors by walked ops only (at most `depth`
-    definitions back); appends what it takes, inputs first. `any_op`: through every op,
-    rank inputs available too."""
+    definitions back); appends what it takes, inputs first."""
     canon = prog.same.find
     if canon(x) in avail or is_constant(prog, x):
         return True
     d = prog.defs.get(x)
-    if any_op and d is None:
-        return True
-    if depth == 0 or d is None or (not any_op and d.op not in _WALK_OPS):
+    if depth == 0 or d is None or d.op not in _WALK_OPS:
         return False
     for dep in sorted(d.leaves()):
-        if not _derive(prog, dep, avail, depth - 1, out, any_op):
+        if not _derive(prog, dep, avail, depth - 1, out):
             return False
     out.append(x)
     avail.add(canon(x))
@@ -90,7 +84,7 @@ def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[st
 
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
              defined: frozenset[str] | set[str] = frozenset(), structural: bool = False,
-             fact_depth: int = 0, policy: Policy = DEFAULT) -> list[str]:
+             policy: Policy = DEFAULT) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order. An input in `defined` (available, like
     the known ones) comes along with its definition, as constants do.
@@ -122,7 +116,6 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
             chosen.append(x)
         layer.add(x)
         avail.add(canon(x))
-    free = policy.free_index_ops
     walk = policy.struct_free if structural else 0
     for _ in range(hops):
         nxt: set[str] = set()
@@ -155,13 +148,6 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep)
                                          or (u in prog.copies and canon(dep) == canon(u)) for dep in d.leaves()):
                     nxt.add(u)
-                    # a bool/int tensor is index bookkeeping (a vocab range's mask and offset, a
-                    # few ops over the ids each): it costs no hop, so the lookup it feeds and
-                    # the lookup's users stay as near as they are to the table
-                    if free and prog.types[u].dtype in INDEX_DTYPES:
-                        free -= 1
-                        avail.add(canon(u))
-                        todo.append(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along
@@ -181,12 +167,11 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
         if not layer:
             break
     if prog.facts:
-        _fact_chains(prog, leaves, chosen, seen, fact_depth, policy.struct_depth)
+        _fact_chains(prog, leaves, chosen, seen, policy.struct_depth)
     return chosen
 
 
-def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str], depth: int,
-                 struct_depth: int) -> None:
+def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: set[str], depth: int) -> None:
     """Append to `chosen` the definitions of the rank tensors the e-graph names without one
     (the leaves, what chosen definitions read) that walked ops compute from a fact's leaf
     (refine.ir.layout), with the chains between. A fact is told only where the e-graph holds
@@ -194,10 +179,7 @@ def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: s
     stated: a relation naming one rank's broadcast of a replicated bias (`addmm.expand@1`)
     next to a rank's sum with its own (`addmm.expand@0`) is proven only through both
     broadcasts' definitions. Definitions are true equalities: this only adds knowledge.
-
-    With `depth`, through every op up to `depth` definitions back (rank inputs available):
-    a rank's key heads copied by a define reach the scores through the projection and the
-    rotary (Policy.fact_retry), with the other operands on the way (the rotary's cos)."""
+    At most `depth` (Policy.struct_depth) definitions back."""
     fact_leaves = _fact_leaves(prog)
     named = set(leaves)
     for x in chosen:
@@ -208,17 +190,11 @@ def _fact_chains(prog: DistProgram, leaves: set[str], chosen: list[str], seen: s
         if x in seen or prog.defs.get(x) is None:
             continue
         trial, taken = set(fact_leaves), []
-        if _derive(prog, x, trial, depth or struct_depth, taken, any_op=bool(depth)):
+        if _derive(prog, x, trial, depth, taken):
             for y in taken:
                 if y not in seen:
                     seen.add(y)
                     chosen.append(y)
-
-
-def reads_fact(prog: DistProgram, tensors: list[str]) -> bool:
-    """Whether a definition among `tensors` reads a fact's leaf."""
-    canon, leaves = prog.same.find, _fact_leaves(prog)
-    return any(canon(y) in leaves for t in tensors if (d := prog.defs.get(t)) is not None for y in d.leaves())
 
 
 def _fact_leaves(prog: DistProgram) -> set[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # In the order the walk tries them on a node (see refine.prove.walk.infer for which apply where).
-STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back", "fact_chains")
+STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back")
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,6 @@ class Policy:
     # equal tensor, and later steps must still reach the ranks' uses of their own
     # counterpart. Offered for ever, every later frontier would grow with each layer.
     counterpart_depth: int = 8
-    # bool/integer rank tensors a frontier takes without counting a hop: index bookkeeping
-    # (a range's mask and offset, a few ops each) must not push the lookup it feeds, and
-    # its users, out of reach.
-    free_index_ops: int = 32
     # Tensors a structural frontier (the write-back retry) takes without counting a hop,
     # through ops that only move elements (views, slices, concats, transposes, expands):
     # a rank that writes a result back into a buffer and reads it out again puts several
@@ -95,16 +91,6 @@ class Policy:
     # Uses after a fact's leaves where a slice may cut out what the facts cover, and so be
     # equal as a whole tensor on two ranks (refine.prove.walk.join_fact_consequences).
     fact_depth: int = 10
-    # Definitions back from a failed step's tensors to a fact's leaf, through every op, in
-    # the fact-chains retry: a fact about inputs can matter many ops downstream (copied
-    # heads through a projection and a positional rotation).
-    fact_retry: int = 12
-    # ... that retry's rule iterations (no early stop: the chains' rewrites make the best
-    # term no cheaper for many iterations before the copies meet) ...
-    fact_iterations: int = 24
-    # ... and no retry over more tensors than this: such an e-graph over a whole attention
-    # block runs for minutes and gigabytes.
-    fact_retry_tensors: int = 128
 
     # -- copies (refine.prove.copies: defines that copy a weight's heads) --
     # Uses after a copied weight that the search for its forms follows: the copy matters

@@ -9,9 +9,7 @@ strategies, tried in order until one gives a clean relation (refine.prove.policy
 - `deep`: instead of `wide` over a fused op's term, a step Policy.deep_hops uses deep;
 - `carried`: instead of `wide` over a carried mask's term, a step Policy.carry_hops deep;
 - `write_back`: where the ranks write the inputs' tensors back into a buffer, a step over
-  the structural chain (refine.prove.frontier.frontier's `structural`);
-- `fact_chains`: where facts about parts of rank inputs exist, a step over the chains from
-  their leaves through every op.
+  the structural chain (refine.prove.frontier.frontier's `structural`).
 
 Which strategies apply to a node is decided by the node alone (`_plan`); the policy can only
 leave some out. What the walk learns (tensors found equal, opaque leaves for unclean nodes)
@@ -34,7 +32,6 @@ from refine.prove.frontier import (
     ancestry,
     counterparts,
     frontier,
-    reads_fact,
     users_of_class,
     with_replicas,
     writes_back_near,
@@ -145,14 +142,13 @@ class _Search:
         """The leaves with their replicas (computed only when a step runs: a replay needs none)."""
         return with_replicas(self.walk.prog, self.leaves)
 
-    def frontier(self, hops: int, structural: bool = False, fact_depth: int = 0) -> list[str]:
+    def frontier(self, hops: int, structural: bool = False) -> list[str]:
         w = self.walk
-        return frontier(w.prog, self.near, self.known, hops, self.offered, structural=structural,
-                        fact_depth=fact_depth, policy=w.policy)
+        return frontier(w.prog, self.near, self.known, hops, self.offered, structural=structural, policy=w.policy)
 
-    def step(self, tensors: list[str], iterations: int = 0, early: bool = True) -> StepResult:
+    def step(self, tensors: list[str], iterations: int = 0) -> StepResult:
         w = self.walk
-        return w.engine.step(self.term, w.prog, w.registry, tensors, iterations=iterations, early=early)
+        return w.engine.step(self.term, w.prog, w.registry, tensors, iterations=iterations)
 
 
 # A strategy gives the tensors it searched and its result, or None where it does not apply.
@@ -163,9 +159,6 @@ Found = tuple[list[str], StepResult]
 class Strategy:
     name: str
     run: Callable[[_Search], Found | None]
-    # its result replaces the one so far even when it is not clean (it becomes the node's
-    # best term for the report); otherwise only a clean one does
-    replaces: bool = True
 
 
 def _hop(reach: Callable[[Policy], int], iterations: Callable[[Policy], int] = lambda p: 0) -> \
@@ -196,22 +189,6 @@ def _write_back(s: _Search) -> Found | None:
     return tensors, s.step(tensors)
 
 
-def _fact_chains(s: _Search) -> Found | None:
-    """A fact about rank inputs (a define's copied KV heads) matters far downstream (the
-    scores, through the projection and the rotary): retried once with the chains from the
-    facts' leaves through every op, and more iterations; the first result stays when this
-    one is no better (the culprit's report)."""
-    w, p = s.walk, s.walk.policy
-    if OPAQUE in s.ops or s.node.op in w.fusing or not w.prog.facts:
-        return None
-    more = s.frontier(s.hops[-1], fact_depth=p.fact_retry)
-    if len(more) > p.fact_retry_tensors or not reads_fact(w.prog, more):
-        return None
-    # no early stop: the chains' rewrites make the best term no cheaper for many
-    # iterations before the copies meet
-    return more, s.step(more, iterations=p.fact_iterations, early=False)
-
-
 _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("replay", _replay),
     Strategy("near", _hop(lambda p: p.near_hops)),
@@ -219,7 +196,6 @@ _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("deep", _hop(lambda p: p.deep_hops, lambda p: p.deep_iterations)),
     Strategy("carried", _hop(lambda p: p.carry_hops)),
     Strategy("write_back", _write_back),
-    Strategy("fact_chains", _fact_chains, replaces=False),
 )}
 assert tuple(_BY_NAME) == STRATEGIES
 
@@ -257,18 +233,17 @@ class _Walk:
         """The strategies for the node, in order, until one gives a clean relation."""
         found: Found | None = None
         by = ""
-        for name in ["replay", *tries, "write_back", "fact_chains"]:
+        for name in ["replay", *tries, "write_back"]:
             if found is not None and found[1].clean:
                 break
             if not self.policy.uses(name):
                 continue
-            strategy = _BY_NAME[name]
-            got = strategy.run(s)
+            got = _BY_NAME[name].run(s)
             if got is None:
                 continue
             self.ran[name] += 1
-            if found is None or strategy.replaces or got[1].clean:
-                found, by = got, name
+            # the last one run is the node's result: clean, or its best term for the report
+            found, by = got, name
         if found is None:  # every strategy that applies left out by the policy: nothing proven
             return [], StepResult(s.term, COMPUTE, [], [], 0.0)
         if found[1].clean:

@@ -343,8 +343,8 @@ def _gqa_case(tmp_path: Path, wk0: str = WK0, rotary: bool = False) -> tuple[Pat
 @pytest.mark.slow
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
 def test_copied_kv_heads_over_uneven_ranks_refine(tmp_path: Path, rotary: bool) -> None:
-    """With the rotary, the scores relate only through prove.infer's fact retry (chains from
-    the key weight's define through the projection and the rotary, Policy.fact_retry)."""
+    """With the rotary too, every node within the near try: the copied heads' forms
+    (refine.prove.copies, before the walk) reach the scores through the projection and the rotary."""
     seq_path, dist_path = _gqa_case(tmp_path, rotary=rotary)
     report = check_files(seq_path, dist_path)
     assert report.refines, str(report)

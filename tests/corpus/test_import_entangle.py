@@ -117,7 +117,7 @@ def test_qwen2_tp4_refines(tmp_path: Path) -> None:
     rank's own key and value columns equal to its group's first rank's
     (prove.join_fact_consequences). The value relation names one rank's broadcast of the
     replicated bias next to another's product; attn @ v relates through the ranks' own
-    broadcasts, whose definitions the frontier states (prove._fact_chains)."""
+    broadcasts, whose definitions the frontier states (refine.prove.frontier._fact_chains)."""
     r, out = _import(tmp_path, "qwen2/paral1_layer1", "qwen2/paral4_layer1", "qwen2.json")
     assert r.exit_code == 0, r.output
     rel = {x["from"]: x for x in json.loads((out / "dist.json").read_text())["relations"]}

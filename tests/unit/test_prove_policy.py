@@ -54,7 +54,7 @@ def test_counts_are_consistent_on_the_bundled_examples(case: str) -> None:
     nodes = counts["near"]["ran"] + counts["replay"]["kept"]
     assert sum(c["kept"] for c in counts.values()) <= nodes
     # a retry runs only where the near try (or the retry before it) gave no clean relation
-    retries = sum(counts[s]["ran"] for s in ("wide", "deep", "carried", "write_back", "fact_chains"))
+    retries = sum(counts[s]["ran"] for s in ("wide", "deep", "carried", "write_back"))
     assert retries <= 3 * (counts["near"]["ran"] - counts["near"]["kept"])
 
 
@@ -74,7 +74,7 @@ def test_leaving_a_needed_strategy_out_does_not_refine(tmp_path: Path) -> None:
     assert report.culprit is not None and report.culprit.node == "e", str(report)
     assert report.stats["strategies"]["wide"] == {"ran": 0, "kept": 0}
     # a strategy the case does not need changes nothing
-    assert check_files(*_far(tmp_path), policy=_without("fact_chains")).refines
+    assert check_files(*_far(tmp_path), policy=_without("write_back")).refines
 
 
 def test_leaving_replay_out_proves_the_same(tmp_path: Path) -> None:
