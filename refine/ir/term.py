@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from refine.ir import sexp
+from refine.ir.sexp import Sexp, atom_name
+
 LEAF_OPS = ("D", "Out")
 NARY = ("Sum", "Max")
 # A sequential tensor with no clean relation, standing for itself in the relations of the
@@ -210,83 +213,53 @@ def _dim_lit(d: Any, py: bool) -> str:
     return f"(py-object {quote(sizes.dumps(d))})"
 
 
-def _read_dim(x: Any) -> Any:
-    if isinstance(x, list):  # (py-object "base64 pickle"), made by our own engine
+def _read_dim(x: Sexp) -> Any:
+    if isinstance(x, tuple):  # (py-object "base64 pickle"), made by our own engine
         from refine.ir import sizes
 
-        return sizes.loads(unquote(x[1]))
-    return int(x)
+        return sizes.loads(unquote(str(x[1])))
+    return int(atom_name(x))
 
 
-_TOKEN = re.compile(r'\s*(\(|\)|"(?:[^"\\]|\\.)*"|[^\s()]+)')
-
-
-def parse_sexps(text: str) -> list[Any]:
-    """Every top-level s-expression of `text`: atoms as strings, lists as lists."""
-    tokens = [m.group(1) for m in _TOKEN.finditer(text)]
-    pos = 0
-
-    def read() -> Any:
-        nonlocal pos
-        tok = tokens[pos]
-        pos += 1
-        if tok == "(":
-            items = []
-            while tokens[pos] != ")":
-                items.append(read())
-            pos += 1
-            return items
-        return tok
-
-    out = []
-    while pos < len(tokens):
-        out.append(read())
-    return out
-
-
-def parse_sexp(text: str) -> Any:
-    return parse_sexps(text)[0]
-
-
-def from_egglog(sexp: Any, sorts: dict[str, tuple[str, ...]]) -> Term:
-    """An extracted egglog term back into a Term."""
-    if isinstance(sexp, str):
-        raise ValueError(f"expected a tensor term, got {sexp}")
-    head, *rest = sexp
-    if head in LEAF_OPS or head == OPAQUE:
-        return Term(head, (), (unquote(rest[0]),))
-    if head in NARY:
+def from_egglog(x: Sexp, sorts: dict[str, tuple[str, ...]]) -> Term:
+    """An extracted egglog term (read by refine.ir.sexp) back into a Term."""
+    op = sexp.head(x)
+    if op is None:
+        raise ValueError(f"expected a tensor term, got {sexp.show(x)}")
+    rest = x[1:]
+    if op in LEAF_OPS or op == OPAQUE:
+        return Term(op, (), (unquote(str(rest[0])),))
+    if op in NARY:
         ms = rest[0]
-        items = ms[1:] if isinstance(ms, list) else []
-        return Term(head, tuple(from_egglog(x, sorts) for x in items))
-    attr_sorts = sorts[head]
+        items = ms[1:] if isinstance(ms, tuple) else ()
+        return Term(op, tuple(from_egglog(y, sorts) for y in items))
+    attr_sorts = sorts[op]
     n_t = len(rest) - len(attr_sorts)
-    args = tuple(from_egglog(x, sorts) for x in rest[:n_t])
-    attrs = tuple(_read_lit(x, s) for x, s in zip(rest[n_t:], attr_sorts, strict=True))
-    return Term(head, args, attrs)
+    args = tuple(from_egglog(y, sorts) for y in rest[:n_t])
+    attrs = tuple(_read_lit(y, s) for y, s in zip(rest[n_t:], attr_sorts, strict=True))
+    return Term(op, args, attrs)
 
 
-def _read_lit(x: Any, sort: str) -> Any:
-    if sort == "i64":
-        return int(x)
+def _read_lit(x: Sexp, sort: str) -> Any:
     if sort == "Dim":
         return _read_dim(x)
     if sort == "IV":
-        return tuple(_read_dim(v) for v in x[1:]) if isinstance(x, list) else ()
-    if sort == "f64":
-        return float(x)
+        return tuple(_read_dim(v) for v in x[1:]) if isinstance(x, tuple) else ()
     if sort == "BigRat":
         # (bigrat (from-string "1") (from-string "6")) or (bigrat (bigint 1) (bigint 6))
-        return Fraction(int(_unquote_num(x[1][1])), int(_unquote_num(x[2][1])))
+        assert isinstance(x, tuple)
+        num, den = (atom_name(part[1]) for part in x[1:3])  # type: ignore[index]
+        return Fraction(int(num), int(den))
+    assert not isinstance(x, tuple), (sort, sexp.show(x))
+    if sort == "i64":
+        return int(atom_name(x))
+    if sort == "f64":
+        return float(atom_name(x))
     if sort == "bool":
-        return x == "true"
+        return atom_name(x) == "true"
     if sort == "String":
-        return unquote(x)
+        return unquote(str(x))
     raise ValueError(sort)
-
-
-def _unquote_num(s: str) -> str:
-    return s[1:-1] if s.startswith('"') else s
 
 
 # ---------------------------------------------------------------------------------------

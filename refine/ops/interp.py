@@ -41,11 +41,11 @@ from refine.ir.graph import (
     tensor_name,
 )
 from refine.ir.layout import join_replicas, placed_terms
+from refine.ir.sexp import Sym, head, parse_cached
 from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
 from refine.ops.registry import Registry, load_registry
-from refine.ops.sexp import Sym, head, parse_cached
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8

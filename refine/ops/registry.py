@@ -21,11 +21,11 @@ from types import ModuleType
 from typing import Any
 
 from refine.ir.graph import TensorType
-from refine.ops.sexp import Sexp, SexpError, Sym, head, parse, parse_cached, parse_one, show
+from refine.ir.sexp import Sexp, SexpError, Sym, head, parse, parse_cached, parse_one, show
 
 # Attribute kinds and the egglog sort each one becomes. A `size` (a tensor extent or an
 # offset along a dim) is a `Dim`: i64 when every shape is concrete, a PyObject holding an
-# int or a `refine.ir.sizes.Sym` when some are symbolic (see `refine.ops.sexp.emit`).
+# int or a `refine.ir.sizes.Sym` when some are symbolic (see `refine.ir.sexp.emit`).
 ATTR_SORTS = {
     "int": "i64",
     "size": "Dim",
@@ -92,7 +92,7 @@ class Op:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    text: str  # one egglog command, with the size macros of `refine.ops.sexp.emit` unexpanded
+    text: str  # one egglog command, with the size macros of `refine.ir.sexp.emit` unexpanded
     family: str = ""
     doc: str = ""
     symbolic: bool = True  # also sound and expressible when sizes are symbolic
@@ -379,7 +379,7 @@ def rewrite(name: str, lhs: str, rhs: str, *when: str, doc: str = "", symbolic: 
             analysis: bool = False) -> Rule:
     """`lhs` rewrites to `rhs` when every condition holds. `(size x d)` is the size of dim
     d of x and `(ndim x)` its rank; both read the shape analysis. Sizes are compared and
-    computed with the macros of `refine.ops.sexp.emit`."""
+    computed with the macros of `refine.ir.sexp.emit`."""
     left, right = _macros(parse_one(lhs)), _macros(parse_one(rhs))
     conds = [_macros(c) for text in when for c in parse(text)]
     right, binds = _hoist(right)

@@ -1,6 +1,6 @@
 """The engine's declarations as statements, and what each rule reads and writes
 (`Declarations.closure`: the rules that can fire in a step's e-graph), read from their
-trees (refine.ops.sexp); a step's program over canonical leaf names (`canonical`); the
+trees (refine.ir.sexp); a step's program over canonical leaf names (`canonical`); the
 statements of the shape audit (`record_shapes`)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from refine.ir.sexp import Sexp, Str, Sym, emit, head, names, parse, show, symbols, with_option
 from refine.ir.term import LEAF_OPS, OPAQUE, Term, quote, unquote
-from refine.ops.sexp import Sexp, Str, Sym, emit, head, names, parse, show, symbols, with_option
 
 _RULE_HEADS = ("rule", "rewrite", "birewrite")
 

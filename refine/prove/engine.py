@@ -20,6 +20,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from refine.ir.sexp import (
+    Sexp,
+    Str,
+    dims_prelude,
+    heads_in,
+    parse_cached,
+    parse_one,
+    statements,
+    with_option,
+)
 from refine.ir.term import (
     LEAF_OPS,
     NARY,
@@ -27,7 +37,6 @@ from refine.ir.term import (
     Term,
     from_egglog,
     lit,
-    parse_sexp,
     quote,
     unquote,
 )
@@ -38,7 +47,6 @@ from refine.ops.registry import (
     LEAF_OUT,
     Registry,
 )
-from refine.ops.sexp import Sexp, Str, dims_prelude, heads_in, parse_cached, statements, with_option
 from refine.prove.declarations import (
     PLAIN_HEADS,
     Declarations,
@@ -310,7 +318,7 @@ class Engine:
             fired, best_out, bounded = self._saturate(iterations or self.policy.iterations,
                                                       early=early and not checks, eg=eg)
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
-            best = from_egglog(parse_sexp(best_out.termdag.to_string(best_out.term)), self.sorts)
+            best = from_egglog(parse_one(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
             found = [unquote(f) for f in re.findall(r'\(Found ("[^"]*")\)', str(out[0]))]
             same = tuple((unquote(a), unquote(b)) for a, b in re.findall(r'\(Same ("[^"]*") ("[^"]*")\)', str(out[1])))

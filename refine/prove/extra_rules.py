@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from refine.ir.errors import InputError
+from refine.ir.sexp import SexpError, head, parse, show
 from refine.ops.registry import Op, Registry, Rule, builtin_rules_dir, load_registry
-from refine.ops.sexp import SexpError, head, parse, show
 
 FORMAT = 1
 CACHE_ENV = "REFINE_CACHE_DIR"

@@ -42,10 +42,10 @@ import torch
 from egglog import bindings
 
 from refine.ir.graph import TensorType
+from refine.ir.sexp import Sexp, Sym, emit
 from refine.ir.term import Term, lit, quote
 from refine.ops.interp import close, eval_term, helper_sorts, max_err
 from refine.ops.registry import ArgSpec, Registry, Rule, ShapeError
-from refine.ops.sexp import Sexp, Sym, emit
 from refine.prove.declarations import heads, in_ruleset
 from refine.prove.engine import Engine
 

@@ -25,13 +25,13 @@ from refine.check import check
 from refine.cli import main
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
+from refine.ir.sexp import parse_one
 from refine.ir.term import (
     LayoutSyntaxError,
     Term,
     from_egglog,
     leaf,
     parse_layout,
-    parse_sexp,
     quote,
     to_egglog,
     unquote,
@@ -151,7 +151,7 @@ def test_term_leaves_round_trip_through_egglog_text(name: str) -> None:
         t = Term("cat", (Term(op, (), (name + "@0",)), leaf("b@1")), (0,))
         text = to_egglog(t, sorts)
         assert text.count("(") == text.count(")") == 3  # nothing of the name is syntax
-        assert from_egglog(parse_sexp(text), sorts) == t
+        assert from_egglog(parse_one(text), sorts) == t
 
 
 # ---------------------------------------------------------------------------------------

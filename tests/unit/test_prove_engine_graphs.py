@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from refine.check import check_files, engine_for
-from refine.ops import sexp
+from refine.ir import sexp
+from refine.ir.sexp import Sym, head, parse_one, show
 from refine.ops.registry import load_registry
-from refine.ops.sexp import Sym, head, parse_one, show
 from refine.prove import declarations
 from refine.prove import engine as prove
 from tests.helpers import MODELS
