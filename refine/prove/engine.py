@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import sys
 import tempfile
 import time
@@ -24,7 +23,9 @@ from refine.ir.sexp import (
     Sexp,
     Str,
     dims_prelude,
+    head,
     heads_in,
+    parse,
     parse_cached,
     parse_one,
     statements,
@@ -320,8 +321,8 @@ class Engine:
             out = self._run("(print-function Found 100000)\n(print-function Same 100000)", eg)
             best = from_egglog(parse_one(best_out.termdag.to_string(best_out.term)), self.sorts)
             cost = int(best_out.cost)
-            found = [unquote(f) for f in re.findall(r'\(Found ("[^"]*")\)', str(out[0]))]
-            same = tuple((unquote(a), unquote(b)) for a, b in re.findall(r'\(Same ("[^"]*") ("[^"]*")\)', str(out[1])))
+            found = [unquote(str(a)) for (a,) in _rows(str(out[0]), "Found")]
+            same = tuple((unquote(str(a)), unquote(str(b))) for a, b in _rows(str(out[1]), "Same"))
             if self.audit_shapes:
                 self._audit(program, eg)
             results = []
@@ -537,3 +538,16 @@ class _Emitter:
             shape = term_type(t, self.prog, self.registry).shape
             self.lines.append(f"(set (shape {name}) {lit(shape, 'IV', self.py)})")
         return name
+
+
+def _rows(printed: str, table: str) -> list[tuple[Sexp, ...]]:
+    """The argument tuples of `table`'s rows in egglog's `print-function` output."""
+    out: list[tuple[Sexp, ...]] = []
+    todo = parse(printed)[::-1]
+    while todo:
+        x = todo.pop()
+        if head(x) == table:
+            out.append(x[1:])  # type: ignore[index]
+        elif isinstance(x, tuple):
+            todo.extend(reversed(x))  # in printed order
+    return out
