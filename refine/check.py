@@ -35,7 +35,7 @@ and the JSON marks them `"computed": false`.
 from __future__ import annotations
 
 import gc
-import itertools
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -43,7 +43,6 @@ from pathlib import Path
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
-from refine.ir.layout import placed_terms
 from refine.ir.term import LEAF_OPS, NARY, Term
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
@@ -55,7 +54,8 @@ from refine.prove.frontier import frontier, structural_ancestry
 from refine.prove.policy import DEFAULT, STRATEGIES, Policy
 from refine.prove.walk import infer, settle
 from refine.relate.program import DistProgram, build_program, seq_input_relations
-from refine.verdict.expect import expected_terms
+from refine.verdict import counterexample
+from refine.verdict.expect import expectation_options, expected_terms
 from refine.verdict.localize import localize
 from refine.verdict.report import OutputResult, Report
 
@@ -83,7 +83,8 @@ def is_symbolic(seq: Graph, dist: Dist) -> bool:
 
 
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = (),
-                trust_rules: bool = False, policy: Policy = DEFAULT) -> Report:
+                trust_rules: bool = False, policy: Policy = DEFAULT, tries: int = counterexample.TRIES,
+                self_check: bool | None = None) -> Report:
     """Check the pair of files. The extra rule directories `rules` are verified first
     (refine.prove.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
     untested one too unless `trust_rules`, and the report then lists it as unverified.
@@ -94,13 +95,20 @@ def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str
     seq = load_seq(seq_path, registry)
     dist = load_dist(dist_path, registry, seq)
     unverified = require_verified(registry, [str(d) for d in rules], is_symbolic(seq, dist), trust_rules)
-    report = check(seq, dist, registry, str(seq_path), str(dist_path), t0, policy)
+    report = check(seq, dist, registry, str(seq_path), str(dist_path), t0, policy, tries, self_check)
     report.unverified_rules = unverified
     return report
 
 
 def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dist_file: str = "dist",
-          t0: float | None = None, policy: Policy = DEFAULT) -> Report:
+          t0: float | None = None, policy: Policy = DEFAULT, tries: int = counterexample.TRIES,
+          self_check: bool | None = None) -> Report:
+    """The verdict on `seq` and `dist`: REFINES (a proof), or, when the proof stops, a search
+    of `tries` random draws for a counterexample (DOES NOT REFINE) or none (UNPROVEN).
+    `self_check` (default: REFINE_SELF_CHECK) runs a REFINES once on random inputs too and
+    raises SoundnessFailure when its outputs differ."""
+    if self_check is None:
+        self_check = self_check_enabled()
     # What the process holds already (the loaded graphs, the rule families, torch when a
     # capture or an import ran first) is left out of the collector's full passes while the
     # check runs: each one otherwise walks all of it again, and their number grows with the
@@ -110,14 +118,14 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     if own:
         gc.freeze()
     try:
-        return _check(seq, dist, registry, seq_file, dist_file, t0, policy)
+        return _check(seq, dist, registry, seq_file, dist_file, t0, policy, tries, self_check)
     finally:
         if own:
             gc.unfreeze()
 
 
 def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file: str, t0: float | None,
-           policy: Policy) -> Report:
+           policy: Policy, tries: int, self_check: bool) -> Report:
     t0 = time.perf_counter() if t0 is None else t0
     try:
         seq_core, rename = lower(seq, registry)
@@ -171,6 +179,12 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     if refines and not any(r.computed for r in results):
         raise InputError(seq_file, "$.graph.outputs", _nothing_to_check(seq, seq_core, results))
     culprit = None if refines else localize(seq, seq_core, results, inf, prog, registry, dist)
+    t_search = time.perf_counter()
+    search = None
+    if not refines:  # the proof stopped: look for inputs on which the outputs differ
+        search = counterexample.search(seq, dist, registry, tries)
+    elif self_check:
+        _self_check(seq, dist, registry)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
                 for e in dist.expectations if e.guessed]
@@ -181,8 +195,29 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
              "ranks": len(dist.ranks),
              # per strategy of the walk (refine.prove.policy.STRATEGIES): the nodes it ran on,
              # and how many times its result was the relation kept
-             "strategies": {s: {"ran": inf.ran[s], "kept": inf.kept[s]} for s in STRATEGIES}}
-    return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist))
+             "strategies": {s: {"ran": inf.ran[s], "kept": inf.kept[s]} for s in STRATEGIES},
+             "search_seconds": round(time.perf_counter() - t_search, 3)}
+    return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist), search=search)
+
+
+class SoundnessFailure(AssertionError):
+    """A REFINES whose programs compute different outputs when run: a defect of the prover
+    (a wrong rule, a wrong lowering), never of the user's input."""
+
+
+def self_check_enabled() -> bool:
+    """REFINE_SELF_CHECK=1: every REFINES is run on random inputs too (the suite sets it)."""
+    return os.environ.get("REFINE_SELF_CHECK", "") not in ("", "0")
+
+
+def _self_check(seq: Graph, dist: Dist, registry: Registry) -> None:
+    """Run a proven case once on random inputs; a difference is a SoundnessFailure."""
+    found = counterexample.search(seq, dist, registry, tries=1).found
+    if found is not None:
+        bad = found.failing()[0]
+        raise SoundnessFailure(f"REFINES, but output {bad.output} differs on random inputs (seed {found.seed}, "
+                               f"sizes {found.sizes}): max abs error {bad.abs_err:.3g}, relative {bad.rel_err:.3g}, "
+                               f"against {bad.expectation}")
 
 
 # The core op that only reinterprets its input's elements (reshape, flatten, unsqueeze lower
@@ -294,17 +329,16 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     Otherwise (only some ranks make it) it must be reconstructible from rank outputs."""
     tensors = frontier(prog, rel.leaves(), set(), engine.policy.expect_hops, policy=engine.policy) + \
         _output_tensors(prog)
-    if all(any(o.name == name for o in g.outputs) for g in dist.ranks.values()):
-        ndim = len(seq.type_of(seq.output(name).ref).shape)
-        kinds = [Placement("replicate"), Placement("partial"), Placement("partial", reduce="avg"),
-                 *(Placement("shard", d) for d in range(ndim))]
-        options = [(pl, [_as_out(t) for t in placed_terms(lambda r: f"{name}@{r}", pl, dist.mesh)])
-                   for pl in itertools.product(kinds, repeat=len(dist.mesh.axes))]
+    ndim = len(seq.type_of(seq.output(name).ref).shape)
+    made = {f"{o.name}@{r}" for r, g in dist.ranks.items() for o in g.outputs}
+    standard = expectation_options(dist, name, ndim, made)
+    if standard is not None:
+        options = [(pl, [_as_out(t) for t in ts]) for pl, ts in standard]
         res = engine.step(rel, prog, registry, tensors, checks=[t for _, ts in options for t in ts])
         got, i = None, 0
         for pl, ts in options:
             if got is None and all(_held(res.checks[i:i + len(ts)], res.best, ts)):
-                got = pl
+                got = pl or ()
             i += len(ts)
         expect = "placed on every rank's copy in a standard way (no expectation given)"
         if got is None:

@@ -1,4 +1,5 @@
-"""`refine` command line. Exit codes: 0 refines, 1 does not refine, 2 bad input/unsupported."""
+"""`refine` command line. Exit codes: 0 refines (a proof), 1 does not refine (a counterexample,
+or ranks that deadlock), 2 bad input/unsupported, 3 unproven (neither)."""
 
 from __future__ import annotations
 
@@ -32,13 +33,33 @@ def main() -> None:
 @click.option("--stats", "stats", is_flag=True,
               help="print, per search strategy of the prover, how many nodes it ran on and how many times its "
                    "result was the relation kept (the JSON report has them always, under stats.strategies)")
-def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool) -> None:
-    """Check that DIST (per-rank graphs) refines SEQ (the sequential graph)."""
+@click.option("--tries", "tries", type=click.IntRange(min=0), default=None,
+              help="random draws the counterexample search makes when the proof stops "
+                   "[default: refine.verdict.counterexample.TRIES]; 0: no search (UNPROVEN)")
+@click.option("--counterexample", "cex_dir", type=click.Path(file_okay=False), default=None,
+              help="write the counterexample's inputs here (counterexample.json and raw tensor files; "
+                   "refine.verdict.counterexample.load reads them back)")
+@click.option("--self-check", "self_check", is_flag=True,
+              help="run a REFINES once on random inputs too: outputs that differ are a soundness failure "
+                   "of refine (exit 2, loudly)")
+def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool,
+              tries: int | None, cex_dir: str | None, self_check: bool) -> None:
+    """Check that DIST (per-rank graphs) refines SEQ (the sequential graph).
+
+    Exit 0: REFINES (a proof). 1: DOES NOT REFINE (inputs on which the outputs differ, or
+    ranks that deadlock). 2: bad input or unsupported. 3: UNPROVEN (the proof stopped and
+    the search found no counterexample)."""
     from refine.check import check_files
+    from refine.verdict import counterexample
     from refine.verdict.report import print_report
 
     try:
-        report = check_files(seq, dist, rules, trust_rules)
+        report = check_files(seq, dist, rules, trust_rules,
+                             tries=counterexample.TRIES if tries is None else tries,
+                             self_check=True if self_check else None)
+        found = report.search.found if report.search is not None else None
+        if cex_dir is not None and found is not None:
+            counterexample.write(found, cex_dir)
     except LOAD_ERRORS as e:
         _load_error(e, fmt)
     except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")

@@ -1,4 +1,5 @@
-"""Shared test setup: a cache directory of the session's own, the registry as a fixture, and
+"""Shared test setup: a cache directory of the session's own, every REFINES run on random
+inputs too (a difference fails the test: a soundness failure), the registry as a fixture, and
 what the markers registered in pyproject.toml mean at run time (`corpus` tests skip without
 the corpus; `heavy` ones run only with --heavy)."""
 
@@ -36,6 +37,19 @@ def _refine_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("REFINE_CACHE_DIR", None)
     else:
         os.environ["REFINE_CACHE_DIR"] = old
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _self_check() -> Iterator[None]:
+    """Every REFINES in the suite is also run on random inputs (refine.check, REFINE_SELF_CHECK):
+    outputs that differ raise SoundnessFailure, failing whichever test got the verdict."""
+    old = os.environ.get("REFINE_SELF_CHECK")
+    os.environ["REFINE_SELF_CHECK"] = "1"
+    yield
+    if old is None:
+        os.environ.pop("REFINE_SELF_CHECK", None)
+    else:
+        os.environ["REFINE_SELF_CHECK"] = old
 
 
 @pytest.fixture(scope="session")

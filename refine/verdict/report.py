@@ -13,6 +13,10 @@ from rich.panel import Panel
 from rich.table import Table
 
 from refine.ops.schedule import Stuck
+from refine.verdict.counterexample import Search
+
+REFINES, DOES_NOT_REFINE, UNPROVEN = "REFINES", "DOES NOT REFINE", "UNPROVEN"
+EXIT_CODES = {REFINES: 0, DOES_NOT_REFINE: 1, UNPROVEN: 3}  # 2: bad input or unsupported (refine.cli)
 
 
 @dataclass
@@ -59,13 +63,27 @@ class Report:
     deadlock: list[Stuck] = field(default_factory=list)  # the ranks' program order cannot run to the end
     # extra rules or ops used without verification (--trust-rules): the verdict assumes them sound
     unverified_rules: list[str] = field(default_factory=list)
+    # when the proof stopped: the counterexample search (refine.verdict.counterexample)
+    search: Search | None = None
+
+    @property
+    def verdict(self) -> str:
+        """REFINES (a proof), DOES NOT REFINE (a counterexample, or ranks that deadlock) or
+        UNPROVEN (neither)."""
+        if self.refines:
+            return REFINES
+        if self.deadlock or (self.search is not None and self.search.found is not None):
+            return DOES_NOT_REFINE
+        return UNPROVEN
 
     @property
     def exit_code(self) -> int:
-        return 0 if self.refines else 1
+        return EXIT_CODES[self.verdict]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": "REFINES" if self.refines else "DOES NOT REFINE", **asdict(self)}
+        d = asdict(self)
+        d["search"] = self.search.to_dict() if self.search is not None else None
+        return {"verdict": self.verdict, **d}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -103,15 +121,19 @@ def print_report(r: Report, console: Console | None = None, strategies: bool = F
         console.print(Panel("[bold green]REFINES[/]: every output relates to the rank outputs as expected"))
     else:
         c = r.culprit
-        lines = ["[bold red]DOES NOT REFINE[/]"]
+        unproven = r.verdict == UNPROVEN
+        lines = ["[bold yellow]UNPROVEN[/]: no proof, and no counterexample found" if unproven
+                 else "[bold red]DOES NOT REFINE[/]"]
         if r.deadlock:
             lines.append("the ranks deadlock: each waits at a communication op that a partner never reaches "
                          "(collectives, sends and receives block until every partner reaches the matching op)")
             lines += [f"rank {s.rank} waits at {s.waits_at}" + (f" at {s.source}" if s.source else "")
                       + f" for {s.because}" for s in r.deadlock]
+        lines += _search_lines(r.search)
         if c is not None:
             where = f" at {c.seq_source or c.source}" if c.seq_source or c.source else ""
-            lines += [f"first sequential node that does not refine: {c.node} ({c.op}){where}",
+            lines += [f"{'the proof stopped at' if unproven else 'first sequential node that does not refine'}: "
+                      f"{c.node} ({c.op}){where}",
                       *([f"the bug's line (rank program): {c.source}"] if c.seq_source else []),
                       f"reason: {c.reason}", f"failing output: {c.output}"]
             if c.rank_node:
@@ -142,3 +164,23 @@ def print_report(r: Report, console: Console | None = None, strategies: bool = F
         for name, n in s["strategies"].items():
             table.add_row(name, str(n["ran"]), str(n["kept"]))
         console.print(table)
+
+
+def _search_lines(search: Search | None) -> list[str]:
+    """What the counterexample search found, or how much it tried."""
+    if search is None:
+        return []
+    cex = search.found
+    if cex is not None:
+        at = f", sizes {', '.join(f'{k}={v}' for k, v in cex.sizes.items())}" if cex.sizes else ""
+        out = [f"counterexample: random inputs consistent with the input relations (seed {cex.seed}{at}) on which "
+               "the outputs differ:"]
+        out += [f"  {o.output}: max abs error {o.abs_err:.3g}, max rel error {o.rel_err:.3g} against {o.expectation}"
+                for o in cex.failing()]
+        return out
+    if search.skipped:
+        return [f"no counterexample search: {search.skipped}"]
+    out = [f"the outputs agreed on {search.agreed} random input(s) consistent with the input relations"]
+    if search.unchecked:
+        out.append(f"not compared (no expectation, not made by every rank): {', '.join(search.unchecked)}")
+    return out
