@@ -44,6 +44,7 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
+from refine.ops.interp import EvalError
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, Stuck, deadlock
@@ -57,7 +58,7 @@ from refine.relate.program import DistProgram, build_program, seq_input_relation
 from refine.verdict import counterexample
 from refine.verdict.expect import expectation_options, expected_terms
 from refine.verdict.localize import localize
-from refine.verdict.report import OutputResult, Report
+from refine.verdict.report import Culprit, OutputResult, Report
 
 _ENGINES: dict[tuple[int, bool, frozenset[str], Policy], Engine] = {}
 
@@ -183,6 +184,8 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     search = None
     if not refines:  # the proof stopped: look for inputs on which the outputs differ
         search = counterexample.search(seq, dist, registry, tries)
+        if search.found is not None and culprit is not None:
+            _diverge(seq, dist, registry, search.found, culprit)
     elif self_check:
         _self_check(seq, dist, registry)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
@@ -198,6 +201,20 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
              "strategies": {s: {"ran": inf.ran[s], "kept": inf.kept[s]} for s in STRATEGIES},
              "search_seconds": round(time.perf_counter() - t_search, 3)}
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist), search=search)
+
+
+def _diverge(seq: Graph, dist: Dist, registry: Registry, found: counterexample.Counterexample,
+             culprit: Culprit) -> None:
+    """Name the rank node the counterexample shows going wrong first (ground truth over the
+    prover's guess of a rank node: the numbers say where)."""
+    try:
+        d = counterexample.diverge(seq, dist, registry, found)
+    except EvalError:
+        d = None
+    culprit.divergence = d
+    if d is not None:
+        culprit.rank_node = tensor_name(d.ranks[0], d.rank_node)
+        culprit.rank_source = d.source
 
 
 class SoundnessFailure(AssertionError):

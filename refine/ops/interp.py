@@ -187,11 +187,14 @@ def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
 
 
 def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
-               inputs: Mapping[int, Mapping[str, Tensor]]) -> dict[int, dict[str, Tensor]]:
+               inputs: Mapping[int, Mapping[str, Tensor]],
+               override: Mapping[tuple[int, str], Tensor] | None = None) -> dict[int, dict[str, Tensor]]:
     """Every tensor of every rank, collectives simulated across ranks in an order the ranks'
     program order allows (refine.ops.schedule): a collective or a recv reads its partners'
     tensors only once each partner has reached the matching op. A program whose order
-    deadlocks is an EvalError naming where each rank waits."""
+    deadlocks is an EvalError naming where each rank waits. `override`: values (rank, node)
+    takes instead of what its op computes (a counterfactual run)."""
+    override = override or {}
     env: dict[int, dict[str, Tensor]] = {}
     for r, g in graphs.items():
         env[r] = {}
@@ -217,13 +220,18 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
                 missing = next((a for a in n.tensor_args() if a not in env[r]), None)
                 if missing is not None:
                     raise EvalError(f"rank {r}: node {n.name!r} reads {missing!r} before the op making it completes")
-                env[r][n.name] = _eval_node(n, env[r], registry)
+                hit = override.get((r, n.name))
+                env[r][n.name] = _eval_node(n, env[r], registry) if hit is None else hit
             pos[r] += 1
 
     for event in sched.order:
         for c in event:
             run_to(c.rank, c.index)
         _fire(event, env, registry)
+        for c in event:
+            hit = override.get((c.rank, c.node.name))
+            if hit is not None:
+                env[c.rank][c.node.name] = hit
     for r, g in graphs.items():
         run_to(r, len(g.nodes))
     return env

@@ -22,6 +22,7 @@ read them back.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -32,16 +33,19 @@ from typing import Any
 
 import torch
 
-from refine.ir.graph import Dist, Graph, case_symbols
+from refine.ir.graph import Dist, Graph, Node, Placement, case_symbols
+from refine.ir.layout import placed_terms
 from refine.ir.term import Term
 from refine.ops.interp import (
     EvalError,
     Tensor,
+    canon,
     eval_graph,
     eval_ranks,
     eval_term,
     instantiate,
     random_inputs,
+    split_placed,
     valuation,
 )
 from refine.ops.registry import Registry
@@ -189,6 +193,166 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
             return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in), unchecked=unchecked)
         agreed += 1
     return Search(tries, agreed, unchecked=unchecked)
+
+
+# ---------------------------------------------------------------------------------------
+# Where the ranks go wrong, on the counterexample (TTrace-style, with no annotation): walk the
+# rank programs in program order; a rank node (the same name on the ranks that have it) is
+# explained when its values are a standard placement of some sequential tensor's value. The
+# first unexplained node that, set to such a placement of a sequential tensor, makes every
+# output right is where the ranks diverge: had it held that, the program would be right.
+
+# Counterfactual runs the divergence search makes at most. Each re-runs every rank program;
+# past this the search stops and the report says the divergence was not found (the verdict
+# and the prover's culprit stand).
+REPAIRS = 256
+
+
+@dataclass
+class Divergence:
+    """The first rank node whose value the counterexample shows wrong."""
+
+    rank_node: str  # its name, on `ranks`
+    ranks: list[int]
+    op: str
+    source: str | None
+    seq_node: str  # the sequential tensor it should hold ...
+    placement: str  # ... placed this way
+    seq_source: str | None
+    # the rank nodes it is computed from that hold no sequential value (masks, local ids,
+    # layout changes), back to explained tensors: where a wrong constant or op may sit
+    chain: list[tuple[str, str | None]]
+    repairs: int  # counterfactual runs made
+
+
+def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max_repairs: int = REPAIRS
+            ) -> Divergence | None:
+    """The first rank node (program order) whose value on the counterexample is no placement
+    of a sequential tensor and whose replacement by one makes every output right; None
+    when there is none within `max_repairs` counterfactual runs."""
+    if cex.sizes:
+        seq, dist = instantiate(seq, dist, cex.sizes)
+    seq_vals = eval_graph(seq, registry, cex.seq_inputs)
+    rank_vals = eval_ranks(dist.ranks, registry, cex.rank_inputs)
+    seq_nodes = {n.name: n for n in seq.nodes}
+    seq_tensors = [(x.name, seq_vals[x.name]) for x in (*seq.inputs, *seq.nodes)]
+    gen = torch.Generator().manual_seed(cex.seed)
+    everyone = sorted(dist.ranks)
+    holders: dict[str, list[int]] = {}
+    first: dict[str, tuple[int, int]] = {}
+    nodes: dict[str, Any] = {}
+    for r in everyone:
+        for i, n in enumerate(dist.ranks[r].nodes):
+            holders.setdefault(n.name, []).append(r)
+            first[n.name] = min(first.get(n.name, (i, r)), (i, r))
+            nodes.setdefault(n.name, n)
+    needed = _feeds_outputs(dist)
+    explained: set[str] = {i.name for g in dist.ranks.values() for i in g.inputs}
+    repairs = 0
+    for name in sorted(first, key=first.__getitem__):
+        if name not in needed:
+            continue
+        ranks = holders[name]
+        vals = {r: rank_vals[r][name] for r in ranks}
+        options = [(sn, sv, pl) for sn, sv in seq_tensors if _same_class(sv, vals[ranks[0]])
+                   for pl in _placements(dist, sv, ranks) if _fits(sv, pl, dist, vals)]
+        if any(_holds(vals, sv, pl, dist, registry) for _, sv, pl in options):
+            explained.add(name)
+            continue
+        for sn, sv, pl in options:
+            if repairs >= max_repairs:
+                return None
+            repairs += 1
+            pieces = split_placed(sv, pl, dist.mesh, gen) if pl else {r: sv for r in ranks}
+            override = {(r, name): canon(pieces[r], nodes[name].type.dtype) for r in ranks}
+            try:
+                fixed = eval_ranks(dist.ranks, registry, cex.rank_inputs, override)
+            except EvalError:
+                continue
+            errors, _ = compare(seq, dist, registry, seq_vals, fixed)
+            if errors and all(e.ok for e in errors):
+                where = "on every rank" if not pl else f"placed [{', '.join(map(str, pl))}]"
+                src = seq_nodes[sn].source if sn in seq_nodes else None
+                return Divergence(name, ranks, nodes[name].op, nodes[name].source, sn, where, src,
+                                  _chain(dist.ranks[ranks[0]], name, explained), repairs)
+    return None
+
+
+def _feeds_outputs(dist: Dist) -> set[str]:
+    """Rank node names some rank output depends on."""
+    out: set[str] = set()
+    for g in dist.ranks.values():
+        index = g.index()
+        todo = [o.ref for o in g.outputs]
+        seen: set[str] = set()
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            n = index.get(x)
+            if isinstance(n, Node):
+                out.add(x)
+                todo.extend(n.tensor_args())
+    return out
+
+
+def _chain(g: Graph, name: str, explained: set[str]) -> list[tuple[str, str | None]]:
+    """The unexplained rank nodes `name` is computed from, nearest first."""
+    index = g.index()
+    out: list[tuple[str, str | None]] = []
+    todo, seen = list(reversed(index[name].tensor_args())), {name}  # type: ignore[union-attr]
+    while todo:
+        x = todo.pop(0)
+        n = index.get(x)
+        if x in seen or x in explained or not isinstance(n, Node):
+            continue
+        seen.add(x)
+        out.append((x, n.source))
+        todo.extend(n.tensor_args())
+    return out
+
+
+def _same_class(a: Tensor, b: Tensor) -> bool:
+    def cls(x: Tensor) -> str:
+        return "b" if x.dtype == torch.bool else "f" if x.is_floating_point() else "i"
+
+    return cls(a) == cls(b)
+
+
+def _placements(dist: Dist, sv: Tensor, ranks: list[int]) -> list[tuple[Placement, ...]]:
+    """The standard placements of a sequential value over the mesh (each axis Replicate,
+    Shard(d) or Partial sum); only replicated copies () when some ranks lack the node."""
+    if len(ranks) != len(dist.ranks):
+        return [()]
+    kinds = [Placement("replicate"), *(Placement("shard", d) for d in range(sv.dim()))]
+    if sv.dtype != torch.bool:
+        kinds.append(Placement("partial"))
+    return list(itertools.product(kinds, repeat=len(dist.mesh.axes)))
+
+
+def _fits(sv: Tensor, pl: tuple[Placement, ...], dist: Dist, vals: Mapping[int, Tensor]) -> bool:
+    shape = list(sv.shape)
+    for (_, n), p in zip(dist.mesh.axes, pl, strict=True):
+        if p.kind == "shard":
+            if shape[p.dim] % n:  # type: ignore[index]
+                return False
+            shape[p.dim] //= n  # type: ignore[index]
+    return all(list(v.shape) == shape for v in vals.values())
+
+
+def _holds(vals: Mapping[int, Tensor], sv: Tensor, pl: tuple[Placement, ...], dist: Dist, registry: Registry) -> bool:
+    if not pl:
+        return all(not significant(v, sv)[0] for v in vals.values())
+    terms = placed_terms(lambda r: str(r), pl, dist.mesh)
+    leaves = {str(r): v for r, v in vals.items()}
+    for t in terms:
+        try:
+            if significant(eval_term(t, registry, leaves), sv)[0]:
+                return False
+        except (EvalError, RuntimeError):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------

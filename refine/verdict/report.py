@@ -13,7 +13,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from refine.ops.schedule import Stuck
-from refine.verdict.counterexample import Search
+from refine.verdict.counterexample import Divergence, Search
 
 REFINES, DOES_NOT_REFINE, UNPROVEN = "REFINES", "DOES NOT REFINE", "UNPROVEN"
 EXIT_CODES = {REFINES: 0, DOES_NOT_REFINE: 1, UNPROVEN: 3}  # 2: bad input or unsupported (refine.cli)
@@ -50,6 +50,8 @@ class Culprit:
     rank_node: str | None = None  # the rank node that went wrong, when one is known
     rank_source: str | None = None  # its source line
     seq_source: str | None = None  # the sequential node's own line, when `source` is the rank line at fault
+    # where the counterexample shows the ranks going wrong first (refine.verdict.counterexample)
+    divergence: Divergence | None = None
 
 
 @dataclass
@@ -136,7 +138,9 @@ def print_report(r: Report, console: Console | None = None, strategies: bool = F
                       f"{c.node} ({c.op}){where}",
                       *([f"the bug's line (rank program): {c.source}"] if c.seq_source else []),
                       f"reason: {c.reason}", f"failing output: {c.output}"]
-            if c.rank_node:
+            if c.divergence is not None:
+                lines += _divergence_lines(c.divergence)
+            elif c.rank_node:
                 lines.append(f"rank node where it goes wrong: {c.rank_node}"
                              + (f" at {c.rank_source}" if c.rank_source else ""))
             lines.append("inputs and their relations:")
@@ -183,4 +187,16 @@ def _search_lines(search: Search | None) -> list[str]:
     out = [f"the outputs agreed on {search.agreed} random input(s) consistent with the input relations"]
     if search.unchecked:
         out.append(f"not compared (no expectation, not made by every rank): {', '.join(search.unchecked)}")
+    return out
+
+
+def _divergence_lines(d: Divergence) -> list[str]:
+    at = f" at {d.source}" if d.source else ""
+    out = [f"rank node where it goes wrong: {d.rank_node} ({d.op}){at} on rank(s) {', '.join(map(str, d.ranks))}: "
+           f"on the counterexample it holds no sequential value, and had it held {d.seq_node} {d.placement}, "
+           "every output would be right"]
+    if d.chain:
+        out.append("computed from rank values that hold no sequential tensor (where a wrong offset, mask or "
+                   "layout may sit): " + ", ".join(f"{n}" + (f" at {s}" if s else "") for n, s in d.chain[:12])
+                   + (f", ... {len(d.chain) - 12} more" if len(d.chain) > 12 else ""))
     return out
