@@ -16,6 +16,9 @@ def main() -> None:
     """Prove a distributed training step refines its sequential model, or find where not."""
 
 
+NUMERIC_FORMATS = ("bf16", "fp16", "fp8", "fp8e4m3", "fp8e5m2")  # refine.oracle.precision.CHOICES, without importing torch
+
+
 @main.command("check")
 @click.argument("seq")
 @click.argument("dist")
@@ -32,7 +35,13 @@ def main() -> None:
 @click.option("--stats", "stats", is_flag=True,
               help="print, per search strategy of the prover, how many nodes it ran on and how many times its "
                    "result was the relation kept (the JSON report has them always, under stats.strategies)")
-def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool) -> None:
+@click.option("--numeric", "numeric", type=click.Choice(NUMERIC_FORMATS), default=None,
+              help="also run both sides with every floating tensor rounded to this format (fp8: fp8e4m3) on random "
+                   "inputs and report, per output, the error against float64 and its tolerance (derived from what "
+                   "the sequential program loses in the format and the collectives' extra roundings); a warning "
+                   "beyond it does not change the verdict or the exit code")
+def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool,
+              numeric: str | None) -> None:
     """Check that DIST (per-rank graphs) refines SEQ (the sequential graph)."""
     from refine.check import check_files
     from refine.verdict.report import print_report
@@ -44,10 +53,16 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
     except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")
         _bad_input(f"internal error, no verdict ({type(e).__name__}): {e}", fmt)
         return
+    if numeric:
+        from refine.oracle.precision import numeric_check_files, print_numerics
+
+        report.numerics = numeric_check_files(seq, dist, rules, numeric)
     if fmt == "json":
         click.echo(report.to_json())
     else:
         print_report(report, Console(emoji=False), strategies=stats)
+        if report.numerics is not None:
+            print_numerics(report.numerics, Console(emoji=False))
     sys.exit(report.exit_code)
 
 
