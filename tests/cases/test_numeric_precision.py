@@ -34,7 +34,7 @@ from refine.frontends.build import GraphBuilder, dist_doc, seq_doc
 from refine.frontends.capture import Case
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Dist, Graph
-from refine.ops.interp import eval_ranks
+from refine.ops.interp import EXACT, eval_ranks, random_inputs
 from refine.ops.registry import Registry
 from refine.oracle.differential import differential
 from refine.oracle.precision import (
@@ -331,9 +331,28 @@ def test_low_precision_rounds_each_value_and_each_partial_sum() -> None:
     assert bf16.store(torch.stack(xs).sum(0), "float32").item() == 1.0 + 2.0 ** -7
 
 
-def test_exact_runs_are_the_interpreter_default(registry: Registry) -> None:
-    from refine.ops.interp import EXACT, random_inputs
+def test_every_value_of_a_low_precision_run_is_one_the_format_holds(registry: Registry, tmp_path: Path) -> None:
+    """Inputs, op results and collectives' results (a mean over 3 ranks divides by 3) alike."""
+    s = GraphBuilder()
+    s.output("y", s.op("mul", s.input("x", [6, 4]), 1.0 / 3, name="third"))
+    ranks = {}
+    for r in range(3):
+        d = GraphBuilder()
+        x = d.op("mul", d.input("x", [2, 4]), 1.0, name="local")
+        mean = d.op("all_reduce", x, name="mean", reduce_op="avg", group=[0, 1, 2])
+        d.output("y", d.op("all_gather", mean, name="gathered", dim=0, group=[0, 1, 2]))
+        ranks[r] = d
+    pair = seq_doc(s), dist_doc({"dp": 3}, ranks, [{"from": "x", "placements": ["Shard(0)"]}])
+    seq, dist = load(tmp_path, pair, registry)
+    _, rank_in = random_inputs(seq, dist, 0, registry)
+    bf16 = LowPrecision(format_named("bf16"))
+    values = eval_ranks(dist.ranks, registry, rank_in, bf16)
+    for r, vals in values.items():
+        for name, v in vals.items():
+            assert torch.equal(v, v.to(torch.bfloat16).to(torch.float64)), (r, name)
 
+
+def test_exact_runs_are_the_interpreter_default(registry: Registry) -> None:
     seq = load_seq(MODELS / "tp_mlp" / "seq.json", registry)
     dist = load_dist(MODELS / "tp_mlp" / "dist.json", registry, seq)
     _, rank_in = random_inputs(seq, dist, 0, registry)
