@@ -83,6 +83,8 @@ from refine.ops.interp import (
     Tensor,
     canon,
     close,
+    eval_budget,
+    eval_elements,
     eval_graph,
     eval_ranks,
     eval_term,
@@ -257,6 +259,10 @@ def _one_seed(seq: Graph, dist: Dist, registry: Registry, fmt: Format, seed: int
     symbols = case_symbols(seq, dist)
     if symbols:
         seq, dist = instantiate(seq, dist, valuation(symbols, seed))
+    n = eval_elements(seq, dist)
+    if 2 * n > eval_budget():  # an exact and a low-precision run are held at once
+        raise EvalError(f"too large for the numerics: {n:.3g} tensor elements over both sides, held twice, above "
+                        f"the budget of {eval_budget():.3g} (REFINE_EVAL_BUDGET)")
     seq_in, rank_in = random_inputs(seq, dist, seed, registry, int_bound)
     # every run starts from values the format holds: the exact runs then measure what the
     # programs compute, not how the drawn inputs round (the same on both sides)

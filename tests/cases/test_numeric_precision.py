@@ -420,3 +420,14 @@ def test_cli_numerics_of_a_buggy_twin_keep_its_exit_code() -> None:
     assert out.exit_code == 1
     (result,) = json.loads(out.output)["numerics"]["outputs"]
     assert result["status"] == "skip" and result["abs_error"] is None
+
+
+def test_cli_numerics_too_large_to_run_are_skipped_not_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seq, dist = write_pair(tmp_path, *row_parallel(2, "correct"))
+    monkeypatch.setenv("REFINE_EVAL_BUDGET", "100")
+    runner = CliRunner()
+    text = runner.invoke(main, ["check", str(seq), str(dist), "--numeric", "bf16"])
+    assert text.exit_code == 0 and "REFINES" in text.output
+    assert "not run" in text.output and "too large" in text.output
+    report = json.loads(runner.invoke(main, ["check", str(seq), str(dist), "--numeric", "bf16", "--format", "json"]).output)
+    assert "too large" in report["numerics"]["skipped"] and "outputs" not in report["numerics"]
