@@ -17,6 +17,9 @@ def main() -> None:
     """Prove a distributed training step refines its sequential model, or find where not."""
 
 
+NUMERIC_FORMATS = ("bf16", "fp16", "fp8", "fp8e4m3", "fp8e5m2")  # refine.oracle.precision.CHOICES, without importing torch
+
+
 @main.command("check")
 @click.argument("seq")
 @click.argument("dist")
@@ -33,6 +36,11 @@ def main() -> None:
 @click.option("--stats", "stats", is_flag=True,
               help="print, per search strategy of the prover, how many nodes it ran on and how many times its "
                    "result was the relation kept (the JSON report has them always, under stats.strategies)")
+@click.option("--numeric", "numeric", type=click.Choice(NUMERIC_FORMATS), default=None,
+              help="also run both sides with every floating tensor rounded to this format (fp8: fp8e4m3) on random "
+                   "inputs and report, per output, the error against float64 and its tolerance (derived from what "
+                   "the sequential program loses in the format and the collectives' extra roundings); a warning "
+                   "beyond it does not change the verdict or the exit code")
 @click.option("--tries", "tries", type=click.IntRange(min=0), default=None,
               help="random draws the counterexample search makes when the proof stops "
                    "[default: refine.verdict.counterexample.TRIES]; 0: no search (UNPROVEN)")
@@ -43,7 +51,7 @@ def main() -> None:
               help="run a REFINES once on random inputs too: outputs that differ are a soundness failure "
                    "of refine (exit 2, loudly)")
 def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules: bool, stats: bool,
-              tries: int | None, cex_dir: str | None, self_check: bool) -> None:
+              tries: int | None, cex_dir: str | None, self_check: bool, numeric: str | None) -> None:
     """Check that DIST (per-rank graphs) refines SEQ (the sequential graph).
 
     Exit 0: REFINES (a proof). 1: DOES NOT REFINE (inputs on which the outputs differ, or
@@ -65,10 +73,16 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
     except Exception as e:  # noqa: BLE001 - a crash is no verdict: exit 2, never Python's 1 ("does not refine")
         _bad_input(f"internal error, no verdict ({type(e).__name__}): {e}", fmt)
         return
+    if numeric:
+        from refine.oracle.precision import numeric_check_files, print_numerics
+
+        report.numerics = numeric_check_files(seq, dist, rules, numeric)
     if fmt == "json":
         click.echo(report.to_json())
     else:
         print_report(report, Console(emoji=False), strategies=stats)
+        if report.numerics is not None:
+            print_numerics(report.numerics, Console(emoji=False))
     sys.exit(report.exit_code)
 
 

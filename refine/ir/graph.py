@@ -17,7 +17,9 @@ from typing import Any
 Shape = tuple[Any, ...]  # each dim an int, or a refine.ir.sizes.Sym when the graph declares symbols
 Arg = str | float | int | bool  # a str is a reference to an input or node of the same graph
 
-DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8")
+# the float8 formats: casts to them are identities over the reals; `refine check --numeric` rounds to them
+DTYPES = ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8", "int8",
+          "float8_e4m3fn", "float8_e5m2")
 VALUE_CLASSES = ("bool", "int", "float")  # narrowest first: each holds the values of the ones before it
 
 

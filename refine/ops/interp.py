@@ -4,7 +4,9 @@ Everything runs in float64 (floating dtypes), int64 (integer dtypes) or bool, on
 each op's torch reference (`Op.ref`). Collectives are simulated across ranks, matched the way
 `refine.relate.program` matches them: the k-th collective of a group on each member, and sends
 and receives between a pair of ranks in program order; they run in an order the ranks' program
-order allows (`refine.ops.schedule`), and a program that deadlocks is an `EvalError`.
+order allows (`refine.ops.schedule`), and a program that deadlocks is an `EvalError`. An `Arith`
+passed to `eval_graph` / `eval_ranks` decides how floating values are held and how collectives
+reduce them: exactly by default, rounded to a low-precision format by `refine.oracle.precision`.
 
 On top of the interpreter:
 
@@ -153,17 +155,37 @@ def apply_op(registry: Registry, name: str, tensors: list[Any], attrs: Mapping[s
 # Graphs
 
 
-def eval_graph(graph: Graph, registry: Registry, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+class Arith:
+    """How the interpreter holds floating values and reduces them across ranks. This base is
+    exact (float64 values, a collective's sum taken at once); a subclass that rounds every
+    stored value emulates a low-precision run with the same interpreter."""
+
+    def store(self, value: Tensor, dtype: str) -> Tensor:
+        """A tensor the program holds (an input, an op's or a collective's result), declared
+        `dtype` in the graph: here unchanged."""
+        return value
+
+    def reduce(self, xs: list[Tensor], op: str, dtype: str) -> Tensor:
+        """What a reducing collective (`reduce_op` op, result declared `dtype`) makes of its
+        members' values, in group order."""
+        return _reduce(xs, op)
+
+
+EXACT = Arith()
+
+
+def eval_graph(graph: Graph, registry: Registry, inputs: Mapping[str, Tensor],
+               arith: Arith = EXACT) -> dict[str, Tensor]:
     """Every tensor of a single-device graph (user-level or core): name -> value."""
     env: dict[str, Tensor] = {}
     for i in graph.inputs:
         if i.name not in inputs:
             raise EvalError(f"no value for input {i.name!r}")
-        env[i.name] = canon(inputs[i.name], i.type.dtype)
+        env[i.name] = arith.store(canon(inputs[i.name], i.type.dtype), i.type.dtype)
     for n in graph.nodes:
         if registry.ops[n.op].kind == "collective":
             raise EvalError(f"node {n.name!r}: a collective ({n.op}) needs eval_ranks")
-        env[n.name] = _eval_node(n, env, registry)
+        env[n.name] = arith.store(_eval_node(n, env, registry), n.type.dtype)
     return env
 
 
@@ -187,7 +209,7 @@ def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
 
 
 def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
-               inputs: Mapping[int, Mapping[str, Tensor]],
+               inputs: Mapping[int, Mapping[str, Tensor]], arith: Arith = EXACT,
                override: Mapping[tuple[int, str], Tensor] | None = None) -> dict[int, dict[str, Tensor]]:
     """Every tensor of every rank, collectives simulated across ranks in an order the ranks'
     program order allows (refine.ops.schedule): a collective or a recv reads its partners'
@@ -201,7 +223,7 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
         for i in g.inputs:
             if i.name not in inputs.get(r, {}):
                 raise EvalError(f"rank {r}: no value for input {i.name!r}")
-            env[r][i.name] = canon(inputs[r][i.name], i.type.dtype)
+            env[r][i.name] = arith.store(canon(inputs[r][i.name], i.type.dtype), i.type.dtype)
     try:
         sched = schedule.simulate(graphs, registry)
     except schedule.ScheduleError as e:
@@ -221,13 +243,13 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
                 if missing is not None:
                     raise EvalError(f"rank {r}: node {n.name!r} reads {missing!r} before the op making it completes")
                 hit = override.get((r, n.name))
-                env[r][n.name] = _eval_node(n, env[r], registry) if hit is None else hit
+                env[r][n.name] = arith.store(_eval_node(n, env[r], registry), n.type.dtype) if hit is None else hit
             pos[r] += 1
 
     for event in sched.order:
         for c in event:
             run_to(c.rank, c.index)
-        _fire(event, env, registry)
+        _fire(event, env, registry, arith)
         for c in event:
             hit = override.get((c.rank, c.node.name))
             if hit is not None:
@@ -237,7 +259,8 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
     return env
 
 
-def _fire(event: list[schedule.Comm], env: dict[int, dict[str, Tensor]], registry: Registry) -> None:
+def _fire(event: list[schedule.Comm], env: dict[int, dict[str, Tensor]], registry: Registry,
+          arith: Arith = EXACT) -> None:
     """Every member's output of one matched collective, or of a send and its recv."""
     def value(c: schedule.Comm) -> Tensor:
         a = c.node.tensor_args()[0]
@@ -252,7 +275,7 @@ def _fire(event: list[schedule.Comm], env: dict[int, dict[str, Tensor]], registr
         send, recv = by_op["send"], by_op["recv"]
         x = value(send)
         env[send.rank][send.node.name] = x
-        env[recv.rank][recv.node.name] = canon(x.clone(), recv.node.type.dtype)
+        env[recv.rank][recv.node.name] = arith.store(canon(x.clone(), recv.node.type.dtype), recv.node.type.dtype)
         return
     by_rank = {c.rank: c for c in event}
     group = list(event[0].members)
@@ -264,7 +287,12 @@ def _fire(event: list[schedule.Comm], env: dict[int, dict[str, Tensor]], registr
     for i, q in enumerate(group):
         n = by_rank[q].node
         attrs = _node_attrs(n, env[q], registry)
-        env[q][n.name] = canon(simulate(n.op, xs, i, attrs), n.type.dtype)
+        out = simulate(n.op, xs, i, attrs, partial(_reduce_with, arith, n.type.dtype))
+        env[q][n.name] = arith.store(canon(out, n.type.dtype), n.type.dtype)
+
+
+def _reduce_with(arith: Arith, dtype: str, xs: list[Tensor], op: str) -> Tensor:
+    return arith.reduce(xs, op, dtype)
 
 
 def _reduce(xs: list[Tensor], op: str) -> Tensor:
@@ -274,17 +302,19 @@ def _reduce(xs: list[Tensor], op: str) -> Tensor:
     return s / len(xs) if op == "avg" else s
 
 
-def simulate(op: str, xs: list[Tensor], i: int, attrs: Mapping[str, Any]) -> Tensor:
-    """Member i's output of a collective over the members' inputs xs (group order)."""
+def simulate(op: str, xs: list[Tensor], i: int, attrs: Mapping[str, Any],
+             reduce: Callable[[list[Tensor], str], Tensor] = _reduce) -> Tensor:
+    """Member i's output of a collective over the members' inputs xs (group order); `reduce`
+    combines them for a reducing collective."""
     n = len(xs)
     if op == "all_reduce":
-        return _reduce(xs, attrs.get("reduce_op") or "sum")
+        return reduce(xs, attrs.get("reduce_op") or "sum")
     if op == "all_gather":
         return torch.cat(xs, attrs["dim"])
     if op == "reduce_scatter":
         d = attrs["dim"]
         c = xs[0].shape[d] // n
-        return _reduce(xs, attrs.get("reduce_op") or "sum").narrow(d, i * c, c)
+        return reduce(xs, attrs.get("reduce_op") or "sum").narrow(d, i * c, c)
     if op == "all_to_all":
         sd, cd = attrs["split_dim"], attrs["concat_dim"]
         c = xs[0].shape[sd] // n

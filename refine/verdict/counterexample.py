@@ -266,7 +266,7 @@ def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max
             pieces = split_placed(sv, pl, dist.mesh, gen) if pl else {r: sv for r in ranks}
             override = {(r, name): canon(pieces[r], nodes[name].type.dtype) for r in ranks}
             try:
-                fixed = eval_ranks(dist.ranks, registry, cex.rank_inputs, override)
+                fixed = eval_ranks(dist.ranks, registry, cex.rank_inputs, override=override)
             except EvalError:
                 continue
             errors, _ = compare(seq, dist, registry, seq_vals, fixed)

@@ -65,6 +65,9 @@ class Report:
     deadlock: list[Stuck] = field(default_factory=list)  # the ranks' program order cannot run to the end
     # extra rules or ops used without verification (--trust-rules): the verdict assumes them sound
     unverified_rules: list[str] = field(default_factory=list)
+    # refine check --numeric: per-output errors in a low-precision format (refine.oracle.precision), a warning
+    # apart from the verdict; None when not asked for
+    numerics: dict[str, Any] | None = None
     # when the proof stopped: the counterexample search (refine.verdict.counterexample)
     search: Search | None = None
 

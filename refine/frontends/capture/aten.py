@@ -88,7 +88,7 @@ P2P = {"c10d::send": "send", "c10d::recv_": "recv"}
 DTYPES = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
     torch.float64: "float64", torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
-    torch.uint8: "uint8", torch.int8: "int8",
+    torch.uint8: "uint8", torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2",
 }
 
 REDUCE_OPS = ("sum", "avg", "max")
