@@ -18,6 +18,8 @@ from refine.check import SoundnessFailure, _self_check, check_files
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
+from refine.ir.graph import Placement
+from refine.ops.interp import canon, eval_graph, eval_ranks, split_placed
 from refine.ops.registry import load_registry
 from refine.verdict import counterexample
 from refine.verdict.counterexample import SIGNIFICANT, Counterexample, OutputError, Search
@@ -167,3 +169,66 @@ def test_a_refines_the_numbers_contradict_is_a_soundness_failure(monkeypatch: py
         check_files(case / "seq.json", case / "dist.json", self_check=True)
     out = CliRunner().invoke(main, ["check", str(case / "seq.json"), str(case / "dist.json"), "--self-check"])
     assert out.exit_code == 2 and "SoundnessFailure" in out.output, out.output
+
+
+# The rank node each bundled twin's bug makes wrong first (models/make_examples.py): the op the
+# bug plants, or, for a missing op, the node whose value it should have transformed; and
+# rank nodes the report must list among those it is computed from (a wrong offset sits in
+# the range tests, not in the lookup that reads them).
+BUG_NODE: dict[str, tuple[str, set[str]]] = {
+    "sp_mlp_bug_bias_before_reduce_scatter": ("fc2_bias", set()),
+    "sp_mlp_bug_gather_wrong_dim": ("sp_gather_view", {"sp_gather"}),
+    "sp_mlp_bug_gather_wrong_order": ("sp_gather", set()),
+    "sp_mlp_symbolic_bug_bias_before_reduce_scatter": ("fc2_bias", set()),
+    "sp_mlp_symbolic_bug_gather_wrong_dim": ("sp_gather_view", {"sp_gather"}),
+    "tp_attention_bug_bias_before_sum": ("out_bias", set()),
+    "tp_attention_bug_missing_all_reduce": ("out_bias", set()),
+    "tp_attention_bug_reduce_replicated_input": ("x_sum", set()),
+    "tp_mlp_bug_bias_before_sum": ("fc2_bias", set()),
+    "tp_mlp_bug_double_all_reduce": ("fc2_sum_again", set()),
+    "tp_mlp_bug_missing_all_reduce": ("fc2_bias", set()),
+    "tp_mlp_symbolic_bug_bias_before_sum": ("fc2_bias", set()),
+    "vocab_embedding_bug_missing_all_reduce": ("embed_sum", set()),
+    "vocab_embedding_bug_missing_output_mask": ("tok_embed", set()),
+    "vocab_embedding_bug_wrong_offset": ("tok_embed", {"below", "above", "local_ids"}),
+}
+
+
+def test_the_table_covers_every_twin() -> None:
+    assert sorted(BUG_NODE) == BUG_TWINS
+
+
+@pytest.mark.parametrize("case", BUG_TWINS)
+def test_the_report_names_the_rank_line_the_counterexample_shows_wrong(case: str) -> None:
+    report = check_files(MODELS / case / "seq.json", MODELS / case / "dist.json")
+    c = report.culprit
+    assert c is not None and c.divergence is not None, str(report)
+    node, chain = BUG_NODE[case]
+    d = c.divergence
+    assert d.rank_node == node, str(report)
+    assert chain <= {n for n, _ in d.chain}, d.chain
+    dist = json.loads((MODELS / case / "dist.json").read_text())
+    sources = {n["name"]: n.get("source") for n in dist["ranks"][0]["graph"]["nodes"]}
+    assert d.source == sources[node] and c.rank_source == d.source and c.rank_node == f"{node}@{d.ranks[0]}"
+    assert f"rank node where it goes wrong: {node}" in str(report).replace("\n", " ")
+
+
+def test_a_divergence_is_a_repair_the_numbers_confirm() -> None:
+    """Setting the named rank node to what the report says it should hold makes every output
+    right on the counterexample; the node as the ranks compute it does not."""
+    case = MODELS / "tp_mlp_bug_bias_before_sum"
+    reg = load_registry()
+    seq = load_seq(case / "seq.json", reg)
+    dist = load_dist(case / "dist.json", reg, seq)
+    found = counterexample.search(seq, dist, reg).found
+    assert found is not None
+    d = counterexample.diverge(seq, dist, reg, found)
+    assert d is not None and d.placement == "placed [Partial(sum)]" and d.seq_node == "fc2_bias"
+    seq_vals = eval_graph(seq, reg, found.seq_inputs)
+    pieces = split_placed(seq_vals["fc2_bias"], (Placement("partial"),), dist.mesh, torch.Generator().manual_seed(1))
+    override = {(r, d.rank_node): canon(pieces[r], "float32") for r in d.ranks}
+    fixed = eval_ranks(dist.ranks, reg, found.rank_inputs, override=override)
+    errors, _ = counterexample.compare(seq, dist, reg, seq_vals, fixed)
+    assert all(e.ok for e in errors)
+    as_is = eval_ranks(dist.ranks, reg, found.rank_inputs)
+    assert not all(e.ok for e in counterexample.compare(seq, dist, reg, seq_vals, as_is)[0])
