@@ -306,7 +306,7 @@ def mutate_cmd(seq: str, dist: str, count: int, seed: int, operators: tuple[str,
         table.add_row(o.mutant.name, o.verdict, wrong, o.kind, o.culprit)
     console.print(table)
     counts = Counter(o.kind for o in outcomes)
-    kinds = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "timeout", "unjudged")
+    kinds = ("caught", "refused", "neutral", "incomplete", "missed", "UNSOUND", "crashed", "timeout", "unjudged")
     console.print(", ".join(f"{k}: {counts[k]}" for k in kinds))
     sys.exit(1 if counts["UNSOUND"] or counts["crashed"] else 0)
 

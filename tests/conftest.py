@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from refine.ops.registry import Registry, load_registry
+from tests.helpers import CORPUS, NO_CORPUS
 
 # One intra-op thread per test process: the suite runs one process per core (pytest -n), and
 # torch's own thread pool on top of that makes every small op wait for a core (a 4x4 float64
 # matmul took 32 ms instead of 5 us on a loaded 2-core machine).
 torch.set_num_threads(1)
-from tests.helpers import CORPUS, NO_CORPUS
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

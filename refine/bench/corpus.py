@@ -80,7 +80,7 @@ def one(name: str, seq_dir: str, dist_dir: str, rel: str | None, out: Path) -> d
         report = check(seq, dist, registry, str(out / "seq.json"), str(out / "dist.json"))
         row["infer_s"] = time.perf_counter() - t2
         row["infer_cpu_s"] = time.process_time() - c2
-        row["verdict"] = "REFINES" if report.refines else "DOES NOT REFINE"
+        row["verdict"] = report.verdict
         row["check_s"] = time.perf_counter() - t1
         if report.culprit is not None:
             row["culprit"] = f"{report.culprit.node} ({report.culprit.op}) at {report.culprit.source}"

@@ -128,7 +128,7 @@ def _check(seq: str, dist: str) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     report = check_files(seq, dist)
-    return {"s": time.perf_counter() - t0, "verdict": "REFINES" if report.refines else "DOES NOT REFINE",
+    return {"s": time.perf_counter() - t0, "verdict": report.verdict,
             "steps": report.stats["steps"], "replayed": report.stats["replayed"], "peak_mib": _peak_mib()}
 
 

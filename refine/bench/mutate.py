@@ -3,7 +3,7 @@ ones), cases built or captured here (collectives of several groups, a pipeline's
 recvs: what the order-swap operators need) and corpus cases: inject seeded bugs, check and
 (where the case is small enough to run in torch) evaluate each mutant, and write
 bench_mutate.md with the counts per operator and per case (caught / refused / neutral /
-incomplete / UNSOUND / crashed / timeout / unjudged) and the outcome of every mutant. Each
+incomplete / missed / UNSOUND / crashed / timeout / unjudged) and the outcome of every mutant. Each
 check gets CHECK_LIMIT seconds of CPU (a "timeout" past it: no verdict, reported, not failing).
 
 Each case runs in a child process (its peak RSS and CPU time are its own), `--jobs` of them
@@ -30,7 +30,7 @@ from typing import Any
 
 from refine.bench.corpus import CORPUS, RELATIONS, ROOT
 
-KINDS = ("caught", "refused", "neutral", "incomplete", "UNSOUND", "crashed", "timeout", "unjudged")
+KINDS = ("caught", "refused", "neutral", "incomplete", "missed", "UNSOUND", "crashed", "timeout", "unjudged")
 CHECK_LIMIT = 120.0  # CPU seconds for one mutant's check (aws_llama's take 10-20): past it, "timeout"
 FAILING = ("UNSOUND", "crashed")  # a false proof, or a check that raised: exit 1
 

@@ -20,10 +20,12 @@ correct case or on top of another bug. A mutant refused at load for its planted 
 simulated collectives on random consistent inputs; program order by `refine.ops.schedule`) and
 sorts it:
 
-- caught: DOES NOT REFINE and numerically wrong;
+- caught: DOES NOT REFINE (the check's own counterexample shows it wrong);
 - refused: exit 2 (refused at load or by the check), not a correct program refused;
 - neutral: REFINES and numerically equal;
-- incomplete: DOES NOT REFINE (or exit 2) but numerically equal (the prover missed an equality);
+- incomplete: UNPROVEN (or exit 2) but numerically equal (the prover missed an equality);
+- missed: UNPROVEN while numerically wrong (the check's counterexample search missed what
+  the sweep's draws found);
 - UNSOUND: REFINES while numerically wrong, the one outcome that must never happen;
 - crashed: the check raised something other than a clean input error (a defect);
 - timeout: no verdict within the CPU time given to each check (`run(check_limit=...)`);
@@ -114,7 +116,7 @@ class Mutant:
 @dataclass
 class Outcome:
     mutant: Mutant
-    verdict: str  # REFINES | DOES NOT REFINE | exit 2 | crash | timeout
+    verdict: str  # REFINES | DOES NOT REFINE | UNPROVEN | exit 2 | crash | timeout
     wrong: bool | None  # numerically wrong on some output; None: not evaluated
     culprit: str = ""
     error: float = math.nan
@@ -126,6 +128,10 @@ class Outcome:
             return {"crash": "crashed", "timeout": "timeout"}[self.verdict]
         if self.verdict == "exit 2":  # fail-closed, unless the program was right all along
             return "incomplete" if self.wrong is False or (self.wrong is None and self.dead) else "refused"
+        if self.verdict == "DOES NOT REFINE":  # only ever with the check's own counterexample
+            return "caught"
+        if self.verdict == "UNPROVEN" and self.wrong:
+            return "missed"  # the sweep's draws show it wrong; the check's search did not
         if self.wrong is None and self.dead:
             return "neutral" if self.verdict == "REFINES" else "incomplete"
         if self.wrong is None:
@@ -1216,7 +1222,7 @@ class Judge:
             return Outcome(m, "exit 2", wrong, _line(e.reason), err, dead)
         except Exception as e:  # noqa: BLE001 - a crash is a defect to report, not the end of the sweep
             return Outcome(m, "crash", wrong, _line(f"{type(e).__name__}: {e}"), err, dead)
-        verdict = "REFINES" if report.refines else "DOES NOT REFINE"
+        verdict = report.verdict
         c = report.culprit
         culprit = "" if c is None else _line(f"{c.node} ({c.op})" + (f" at {c.rank_node}" if c.rank_node else ""))
         return Outcome(m, verdict, wrong, culprit, err, dead)

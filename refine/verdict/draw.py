@@ -243,7 +243,8 @@ def draw(report: Report, ax: Axes | None = None, seq_path: str | Path | None = N
     ax.set_ylim(min(ys) - 0.6, max(ys) + 0.5)
 
     where = f" at {c.source}" if c.source else ""
-    ax.set_title(f"DOES NOT REFINE: first failing node {c.node} ({c.op}){where}\n"
+    stop = "proof stopped at" if report.verdict == "UNPROVEN" else "first failing node"
+    ax.set_title(f"{report.verdict}: {stop} {c.node} ({c.op}){where}\n"
                  f"failing output {c.output!r}: {_short(c.relation, 90)}", fontsize=10, loc="left")
     kinds = {d["kind"] for _, d in g.nodes(data=True)}
     handles = [Line2D([], [], marker=shape, color="w", markerfacecolor=color, markeredgecolor="black",
@@ -283,7 +284,7 @@ def relations_table(report: Report) -> HTML:
         rows += [(f"input {name} of culprit {c.node}", rel, "", None) for name, rel in c.inputs]
         if c.relation:
             rows.append((f"culprit {c.node} ({c.op})", c.relation, c.reason, False))
-    verdict = "REFINES" if report.refines else "DOES NOT REFINE"
+    verdict = report.verdict
     heads = ("tensor", "relation over rank tensors", "expectation", "ok")
     ok = {True: '<span style="color:#2ca02c">yes</span>', False: '<b style="color:#d62728">no</b>', None: ""}
     e = html.escape

@@ -391,7 +391,11 @@ def test_outcome_kinds() -> None:
     assert _outcome("REFINES", True) == "UNSOUND"
     assert _outcome("REFINES", False) == "neutral"
     assert _outcome("DOES NOT REFINE", True) == "caught"
-    assert _outcome("DOES NOT REFINE", False) == "incomplete"
+    # DOES NOT REFINE comes with the check's own counterexample: wrong, whatever the sweep drew
+    assert _outcome("DOES NOT REFINE", False) == "caught"
+    assert _outcome("UNPROVEN", False) == "incomplete"
+    assert _outcome("UNPROVEN", True) == "missed"
+    assert _outcome("UNPROVEN", None, dead=True) == "incomplete"
     assert _outcome("exit 2", None) == "refused"  # refused at load: not evaluated
     assert _outcome("exit 2", True) == "refused"
     assert _outcome("exit 2", False) == "incomplete"  # a correct program refused
