@@ -44,7 +44,7 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
-from refine.ops.interp import EvalError
+from refine.ops.interp import EvalError, eval_elements
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, Stuck, deadlock
@@ -108,8 +108,9 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     of `tries` random draws for a counterexample (DOES NOT REFINE) or none (UNPROVEN).
     `self_check` (default: REFINE_SELF_CHECK) runs a REFINES once on random inputs too and
     raises SoundnessFailure when its outputs differ."""
-    if self_check is None:
-        self_check = self_check_enabled()
+    limit = None
+    if self_check is None:  # asked for by the environment (a test session): small cases only
+        self_check, limit = self_check_enabled(), SELF_CHECK_ELEMENTS
     # What the process holds already (the loaded graphs, the rule families, torch when a
     # capture or an import ran first) is left out of the collector's full passes while the
     # check runs: each one otherwise walks all of it again, and their number grows with the
@@ -119,14 +120,14 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
     if own:
         gc.freeze()
     try:
-        return _check(seq, dist, registry, seq_file, dist_file, t0, policy, tries, self_check)
+        return _check(seq, dist, registry, seq_file, dist_file, t0, policy, tries, self_check, limit)
     finally:
         if own:
             gc.unfreeze()
 
 
 def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file: str, t0: float | None,
-           policy: Policy, tries: int, self_check: bool) -> Report:
+           policy: Policy, tries: int, self_check: bool, limit: int | None = None) -> Report:
     t0 = time.perf_counter() if t0 is None else t0
     try:
         seq_core, rename = lower(seq, registry)
@@ -186,7 +187,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
         search = counterexample.search(seq, dist, registry, tries)
         if search.found is not None and culprit is not None:
             _diverge(seq, dist, registry, search.found, culprit)
-    elif self_check:
+    elif self_check and (limit is None or eval_elements(seq, dist) <= limit):
         _self_check(seq, dist, registry)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
@@ -220,6 +221,13 @@ def _diverge(seq: Graph, dist: Dist, registry: Registry, found: counterexample.C
 class SoundnessFailure(AssertionError):
     """A REFINES whose programs compute different outputs when run: a defect of the prover
     (a wrong rule, a wrong lowering), never of the user's input."""
+
+
+# Elements (float64) a self check asked for by the environment may evaluate: the suite
+# self-checks every REFINES, two test processes at once on a laptop-sized machine, and a
+# 1e9-element import of a real model would hold 8 GB each. `--self-check` has no such limit
+# (REFINE_EVAL_BUDGET only).
+SELF_CHECK_ELEMENTS = 50_000_000
 
 
 def self_check_enabled() -> bool:
