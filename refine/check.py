@@ -39,12 +39,12 @@ import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.errors import InputError
 from refine.ir.graph import Dist, Graph, Node, Placement, Relation, case_symbols, tensor_name
 from refine.ir.term import LEAF_OPS, NARY, Term
-from refine.ops.interp import EvalError, eval_elements
 from refine.ops.lower import UnsupportedOp, lower
 from refine.ops.registry import Registry, ShapeError, load_registry
 from refine.ops.schedule import ScheduleError, Stuck, deadlock
@@ -55,10 +55,12 @@ from refine.prove.frontier import frontier, structural_ancestry
 from refine.prove.policy import DEFAULT, STRATEGIES, Policy
 from refine.prove.walk import infer, settle
 from refine.relate.program import DistProgram, build_program, seq_input_relations
-from refine.verdict import counterexample
 from refine.verdict.expect import expectation_options, expected_terms
 from refine.verdict.localize import localize
 from refine.verdict.report import Culprit, OutputResult, Report
+
+if TYPE_CHECKING:
+    from refine.verdict.counterexample import Counterexample
 
 _ENGINES: dict[tuple[int, bool, frozenset[str], Policy], Engine] = {}
 
@@ -84,7 +86,7 @@ def is_symbolic(seq: Graph, dist: Dist) -> bool:
 
 
 def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str | Path] = (),
-                trust_rules: bool = False, policy: Policy = DEFAULT, tries: int = counterexample.TRIES,
+                trust_rules: bool = False, policy: Policy = DEFAULT, tries: int | None = None,
                 self_check: bool | None = None) -> Report:
     """Check the pair of files. The extra rule directories `rules` are verified first
     (refine.prove.extra_rules, cached): a wrong rule or op raises RulesRefused (an InputError), an
@@ -102,10 +104,11 @@ def check_files(seq_path: str | Path, dist_path: str | Path, rules: Iterable[str
 
 
 def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dist_file: str = "dist",
-          t0: float | None = None, policy: Policy = DEFAULT, tries: int = counterexample.TRIES,
+          t0: float | None = None, policy: Policy = DEFAULT, tries: int | None = None,
           self_check: bool | None = None) -> Report:
     """The verdict on `seq` and `dist`: REFINES (a proof), or, when the proof stops, a search
-    of `tries` random draws for a counterexample (DOES NOT REFINE) or none (UNPROVEN).
+    of `tries` random draws (default refine.verdict.counterexample.TRIES) for a
+    counterexample (DOES NOT REFINE) or none (UNPROVEN).
     `self_check` (default: REFINE_SELF_CHECK) runs a REFINES once on random inputs too and
     raises SoundnessFailure when its outputs differ."""
     limit = None
@@ -127,7 +130,7 @@ def check(seq: Graph, dist: Dist, registry: Registry, seq_file: str = "seq", dis
 
 
 def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file: str, t0: float | None,
-           policy: Policy, tries: int, self_check: bool, limit: int | None = None) -> Report:
+           policy: Policy, tries: int | None, self_check: bool, limit: int | None = None) -> Report:
     t0 = time.perf_counter() if t0 is None else t0
     try:
         seq_core, rename = lower(seq, registry)
@@ -184,10 +187,12 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     t_search = time.perf_counter()
     search = None
     if not refines:  # the proof stopped: look for inputs on which the outputs differ
-        search = counterexample.search(seq, dist, registry, tries)
+        from refine.verdict import counterexample  # torch, only now
+
+        search = counterexample.search(seq, dist, registry, counterexample.TRIES if tries is None else tries)
         if search.found is not None and culprit is not None:
             _diverge(seq, dist, registry, search.found, culprit)
-    elif self_check and (limit is None or eval_elements(seq, dist) <= limit):
+    elif self_check and (limit is None or _elements(seq, dist) <= limit):
         _self_check(seq, dist, registry)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
     guesses += [f"output {e.output}: [{', '.join(map(str, e.placements or ()))}] (guessed from shapes)"
@@ -204,16 +209,20 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist), search=search)
 
 
-def _diverge(seq: Graph, dist: Dist, registry: Registry, found: counterexample.Counterexample,
-             culprit: Culprit) -> None:
+def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, culprit: Culprit) -> None:
     """Name the rank node the counterexample shows going wrong first (ground truth over the
     prover's guess of a rank node: the numbers say where)."""
+    from refine.ops.interp import EvalError
+    from refine.verdict import counterexample
+
     try:
         d = counterexample.diverge(seq, dist, registry, found)
     except EvalError:
         d = None
     culprit.divergence = d
-    if d is not None:
+    # a rank line the localization already confirmed by a numeric repair of its own (a wrong
+    # constant scaled back, a missing reduction inserted: `seq_source` set) is the finer one
+    if d is not None and culprit.seq_source is None:
         culprit.rank_node = tensor_name(d.ranks[0], d.rank_node)
         culprit.rank_source = d.source
 
@@ -235,8 +244,16 @@ def self_check_enabled() -> bool:
     return os.environ.get("REFINE_SELF_CHECK", "") not in ("", "0")
 
 
+def _elements(seq: Graph, dist: Dist) -> int:
+    from refine.ops.interp import eval_elements
+
+    return eval_elements(seq, dist)
+
+
 def _self_check(seq: Graph, dist: Dist, registry: Registry) -> None:
     """Run a proven case once on random inputs; a difference is a SoundnessFailure."""
+    from refine.verdict import counterexample
+
     found = counterexample.search(seq, dist, registry, tries=1).found
     if found is not None:
         bad = found.failing()[0]

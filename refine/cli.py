@@ -58,15 +58,16 @@ def check_cmd(seq: str, dist: str, fmt: str, rules: tuple[str, ...], trust_rules
     ranks that deadlock). 2: bad input or unsupported. 3: UNPROVEN (the proof stopped and
     the search found no counterexample)."""
     from refine.check import check_files
-    from refine.verdict import counterexample
     from refine.verdict.report import print_report
 
     try:
         report = check_files(seq, dist, rules, trust_rules,
-                             tries=counterexample.TRIES if tries is None else tries,
+                             tries=tries,
                              self_check=True if self_check else None)
         found = report.search.found if report.search is not None else None
         if cex_dir is not None and found is not None:
+            from refine.verdict import counterexample
+
             counterexample.write(found, cex_dir)
     except LOAD_ERRORS as e:
         _load_error(e, fmt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -13,7 +13,9 @@ from rich.panel import Panel
 from rich.table import Table
 
 from refine.ops.schedule import Stuck
-from refine.verdict.counterexample import Divergence, Search
+
+if TYPE_CHECKING:  # torch is imported only when a search runs
+    from refine.verdict.counterexample import Divergence, Search
 
 REFINES, DOES_NOT_REFINE, UNPROVEN = "REFINES", "DOES NOT REFINE", "UNPROVEN"
 EXIT_CODES = {REFINES: 0, DOES_NOT_REFINE: 1, UNPROVEN: 3}  # 2: bad input or unsupported (refine.cli)
@@ -141,11 +143,11 @@ def print_report(r: Report, console: Console | None = None, strategies: bool = F
                       f"{c.node} ({c.op}){where}",
                       *([f"the bug's line (rank program): {c.source}"] if c.seq_source else []),
                       f"reason: {c.reason}", f"failing output: {c.output}"]
-            if c.divergence is not None:
-                lines += _divergence_lines(c.divergence)
-            elif c.rank_node:
+            if c.rank_node:
                 lines.append(f"rank node where it goes wrong: {c.rank_node}"
                              + (f" at {c.rank_source}" if c.rank_source else ""))
+            if c.divergence is not None:
+                lines += _divergence_lines(c.divergence)
             lines.append("inputs and their relations:")
             lines += [f"  {name} = {rel}" for name, rel in c.inputs]
             if c.relation:
@@ -195,9 +197,9 @@ def _search_lines(search: Search | None) -> list[str]:
 
 def _divergence_lines(d: Divergence) -> list[str]:
     at = f" at {d.source}" if d.source else ""
-    out = [f"rank node where it goes wrong: {d.rank_node} ({d.op}){at} on rank(s) {', '.join(map(str, d.ranks))}: "
-           f"on the counterexample it holds no sequential value, and had it held {d.seq_node} {d.placement}, "
-           "every output would be right"]
+    out = [f"on the counterexample, the first rank value that is wrong: {d.rank_node} ({d.op}){at} on rank(s) "
+           f"{', '.join(map(str, d.ranks))}: it holds no sequential value, and had it held {d.seq_node} "
+           f"{d.placement}, every output would be right"]
     if d.chain:
         out.append("computed from rank values that hold no sequential tensor (where a wrong offset, mask or "
                    "layout may sit): " + ", ".join(f"{n}" + (f" at {s}" if s else "") for n, s in d.chain[:12])

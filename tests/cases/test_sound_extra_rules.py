@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from refine.check import check
+from refine.check import SoundnessFailure, check
 from refine.cli import main
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
 from refine.frontends.graphfile import load_dist, load_seq
@@ -127,11 +127,17 @@ def _check(case: str | Path, *args: str) -> Result:
 
 
 def _refines_unverified(case: str | Path, rules: Path) -> bool:
-    """The verdict with the directory's rules used unchecked (what `refine check` did before)."""
+    """The verdict with the directory's rules used unchecked (what `refine check` did before),
+    without the self check; with it, that false REFINES is a SoundnessFailure."""
     reg = load_registry([rules])
     seq_path, dist_path = _case(case)
     seq = load_seq(seq_path, reg)
-    return check(seq, load_dist(dist_path, reg, seq), reg).refines
+    dist = load_dist(dist_path, reg, seq)
+    refines = check(seq, dist, reg, self_check=False).refines
+    if refines:
+        with pytest.raises(SoundnessFailure):
+            check(seq, dist, reg, self_check=True)
+    return refines
 
 
 @pytest.mark.slow
