@@ -191,7 +191,7 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
 
         search = counterexample.search(seq, dist, registry, counterexample.TRIES if tries is None else tries)
         if search.found is not None and culprit is not None:
-            _diverge(seq, dist, registry, search.found, culprit)
+            _diverge(seq, dist, registry, search.found, culprit, prog)
     elif self_check and (limit is None or _elements(seq, dist) <= limit):
         _self_check(seq, dist, registry)
     guesses = [_guess(r) for r in dist.relations if r.guessed]
@@ -209,9 +209,14 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
     return Report(refines, results, culprit, guesses, stats, _describe_symbols(seq, dist), search=search)
 
 
-def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, culprit: Culprit) -> None:
-    """Name the rank node the counterexample shows going wrong first (ground truth over the
-    prover's guess of a rank node: the numbers say where)."""
+def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, culprit: Culprit,
+             prog: DistProgram) -> None:
+    """Name the rank node the counterexample shows going wrong first: the numbers are ground
+    truth over the localization's rank node, which stays only where the numbers implicate it
+    too (the divergence itself, or a value it is computed from that holds no sequential
+    tensor: the divergence search can only replace values that have a sequential counterpart,
+    so it names the first such value after the bug, and the rank node the rewrite localization
+    names may sit before it)."""
     from refine.ops.interp import EvalError
     from refine.verdict import counterexample
 
@@ -220,9 +225,13 @@ def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, 
     except EvalError:
         d = None
     culprit.divergence = d
-    # a rank line the localization already confirmed by a numeric repair of its own (a wrong
-    # constant scaled back, a missing reduction inserted: `seq_source` set) is the finer one
-    if d is not None and culprit.seq_source is None:
+    if d is None:
+        return
+    own = prog.nodes.get(culprit.rank_node) if culprit.rank_node else None
+    implicated = {d.rank_node, *(n for n, _ in d.chain)}
+    # a rank line the localization confirmed by a numeric repair of its own (a wrong constant
+    # scaled back, a missing reduction inserted: `seq_source` set) is the finer one
+    if culprit.seq_source is None and (own is None or (own.origin or own.name) not in implicated):
         culprit.rank_node = tensor_name(d.ranks[0], d.rank_node)
         culprit.rank_source = d.source
 

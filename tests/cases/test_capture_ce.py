@@ -155,7 +155,12 @@ def test_predicted_not_all_reduced_is_found_where_a_rank_uses_its_piece() -> Non
     assert failing(report) == {"loss"}
     # the ranks' predicted log-probs are pieces of a sum nobody takes: the step masks each
     assert "partial sum" in c.reason or "not linear" in c.reason
-    assert c.rank_source == line_of(CE_PATH, "loss = torch.where(valid, nll, 0.0).sum() / count")
+    # masked, summed and divided, each rank's loss is still its piece of the sequential one
+    # (a partial sum, numerically); the first value that is no piece of anything is where the
+    # step adds the (replicated) smoothing term to it: the counterexample's divergence
+    assert c.divergence is not None and c.divergence.placement == "placed [Replicate]"
+    assert c.rank_source == c.divergence.source == line_of(
+        CE_PATH, "loss = (1.0 - label_smoothing) * loss + label_smoothing / V * smooth_loss")
 
 
 def test_ignored_in_denominator_is_found_at_the_float_token_count() -> None:

@@ -156,8 +156,10 @@ def test_a_wrong_rule_is_refused_naming_it(tmp_path: Path, shape: str) -> None:
         assert "REFINES" not in r.output
 
 
-def test_an_untested_rule_is_refused_unless_trusted(tmp_path: Path) -> None:
-    """The wrong-dim rule without its seed terms: no seed makes it fire, so it is untested."""
+def test_an_untested_rule_is_refused_unless_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wrong-dim rule without its seed terms: no seed makes it fire, so it is untested.
+    Trusted, it gives a false REFINES, which only a self check (numbers) can catch."""
+    monkeypatch.setenv("REFINE_SELF_CHECK", "0")  # the CLI as users run it
     rules = _rules_dir(tmp_path, "view_cat", VIEW_CAT)
     case = "sp_mlp_bug_gather_wrong_dim"
     assert _refines_unverified(case, rules)
@@ -173,6 +175,8 @@ def test_an_untested_rule_is_refused_unless_trusted(tmp_path: Path) -> None:
     assert len(report["unverified_rules"]) == 1 and "rule tmp-view-cat-rows: untested" in report["unverified_rules"][0]
     text = _check(case, "--rules", str(rules), "--trust-rules")
     assert text.exit_code == 0 and "unverified rules used" in text.output and "tmp-view-cat-rows" in text.output
+    checked = _check(case, "--rules", str(rules), "--trust-rules", "--self-check")
+    assert checked.exit_code == 2 and "SoundnessFailure" in checked.output, checked.output
 
 
 # ops and declarations the harness cannot check: each refused unless trusted
