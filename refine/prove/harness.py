@@ -10,7 +10,8 @@
    index arguments hold integers below the indexed size. The rule families add their own
    seeds, each list from a random stream of its own too: `SHARED_SEEDS(gen)`, small terms
    the generic forms rarely make (nested structure, the helper constructors applied
-   directly, sure matches), and `SEEDS(gen)`, whole formulas its rules match.
+   directly, sure matches), given to every rule whose query they fit, and `SEEDS(gen)`,
+   whole formulas, given to the family's own rules.
 2. **One rule at a time.** One egglog e-graph holds every declaration, the shape analysis
    (ruleset `shapes`, as in `refine.prove.engine.Engine`) and each rule in a ruleset of its own.
    For each rule: push, insert the seeds whose ops cover the rule's query (its family's
