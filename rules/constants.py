@@ -15,6 +15,7 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType, value_class
 from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder
 from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite, rule
 
@@ -109,3 +110,16 @@ def _arange(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...
 
 
 SAMPLES = {"arange_c": Sample(_arange)}
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Adjacent ranges (one step apart), concatenated."""
+    r = gen.rng
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        st = r.choice([1, 2])
+        s0, n0, n1 = r.randint(0, 2), r.randint(1, 3), r.randint(1, 3)
+        a1 = Term("arange_c", (), (s0, s0 + n0 * st, st))
+        a2 = Term("arange_c", (), (s0 + n0 * st, s0 + (n0 + n1) * st, st))
+        out.append(Term("cat", (a1, a2), (0,)))
+    return out

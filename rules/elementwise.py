@@ -14,6 +14,7 @@ from typing import Any
 
 from refine.ir.graph import VALUE_CLASSES, Arg, Node, TensorType, value_class
 from refine.ir.lazy import F, torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
     ArgSpec,
@@ -423,3 +424,12 @@ SAMPLES = {
     "pow_t": Sample(lambda gen, x: ([(x, "p", 0), (x, "f", 0)], ())),
     "div_t": Sample(lambda gen, x: ([(x, "f", 0), (x, "p", 0)], ())),
 }
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """The helper constructors applied directly (the divisor positive)."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        t = gen.leaf((2, 3))
+        out += [Term("MulBy", (gen.leaf((2, 3)), t)), Term("DivBy", (gen.leaf((2, 3), "p"), t))]
+    return out

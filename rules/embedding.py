@@ -12,6 +12,7 @@ from typing import Any
 
 from refine.ir.graph import TensorType
 from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.ops.registry import ArgSpec, Helper, Op, Rule, Sample, ShapeError, rewrite, rule
 
 
@@ -101,3 +102,24 @@ def _embedding(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, 
 
 # the table cut by rows
 SAMPLES = {"embedding": Sample(_embedding, count=2, concat_dim=lambda gen, i, attrs: 0 if i == 0 else None)}
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """The helper constructor applied directly (ids past the table too, and a table cut by
+    rows), lookups in a table cut by columns, and slices of lookups."""
+    r = gen.rng
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        v = r.choice([2, 3, 5])
+        w = gen.leaf((v, 2))
+        ids = gen.leaf(gen.dims(r.choice([1, 2])), "i", v + 3)
+        out.append(Term("EmbRows", (w, ids), (r.choice([0, 1, 2, 3]),)))
+        out.append(Term("EmbRows", (Term("cat", (gen.leaf((1, 2)), gen.leaf((v, 2))), (0,)), ids), (r.choice([0, 1]),)))
+    for _ in range(gen.instances):
+        v = r.choice([2, 3, 4])
+        ids = gen.leaf(gen.dims(r.choice([1, 2])), "i", v)
+        table = Term("cat", (gen.leaf((v, 1)), gen.leaf((v, 2))), (1,))
+        out.append(Term("embedding", (table, ids)))
+        emb = Term("embedding", (gen.leaf((v, 3)), ids))
+        out.append(Term("slice", (emb,), (len(gen.shape(ids)), 1, 3)))
+    return out

@@ -21,6 +21,7 @@ from typing import Any
 from refine.ir import sizes
 from refine.ir.graph import Arg, Node, TensorType
 from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder, UnsupportedOp
 from refine.ops.registry import (
     ArgSpec,
@@ -201,3 +202,23 @@ def _index_put(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, 
 
 SAMPLES = {"gather": _gather_like("gather"), "scatter_value": _gather_like("scatter_value"),
            "index_put_acc": Sample(_index_put, count=2)}
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Inputs and indices lined up: x and the index with the same extent on the concat's
+    dim, gathered and scattered along the other; accumulations of values cut along their
+    trailing dim; slices of them; the helper constructor applied directly."""
+    r = gen.rng
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        x = Term("cat", (gen.leaf((1, 3)), gen.leaf((2, 3))), (0,))
+        idx = gen.leaf((3, r.choice([1, 2])), "i", 3)
+        out += [Term("gather", (x, idx), (1,)), Term("scatter_value", (x, idx), (1, -1.0)),
+                Term("slice", (Term("scatter_value", (gen.leaf((3, 3)), idx), (1, 2.0)),), (0, 1, 3))]
+        rows = r.choice([2, 4])
+        i1 = gen.leaf((3,), "i", rows)
+        vals = Term("cat", (gen.leaf((3, 1)), gen.leaf((3, 2))), (1,))
+        out.append(Term("index_put_acc", (i1, vals), ((rows, 3),)))
+        out.append(Term("slice", (Term("index_put_acc", (i1, gen.leaf((3, 3))), ((rows, 3),)),), (1, 1, 3)))
+        out.append(Term("IndexPutBy", (i1, gen.leaf((3, 2))), ((rows, 2),)))
+    return out

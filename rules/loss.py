@@ -46,6 +46,7 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder
 from refine.ops.registry import Helper, Op, Rule, ShapeError, rewrite, rule
 
@@ -292,3 +293,54 @@ def _gather_off(op: Any, x: Any, i: Any, g: int, s: int) -> Any:
 
 HELPERS = [Helper("GatherOff", ("T", "T", "i64", "Dim"), _gather_off)]
 
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Lookups along a concat's own dim (vocab pieces, nested), the helper constructor
+    applied directly (in range or not, the table whole or split), comparisons and masks on
+    a viewed target, and a one-hot next to a rank's masked one-hot of its vocab range."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        for k in (1, 2):
+            idx = gen.leaf((3, k), "i", 5)
+            out.append(Term("gather", (Term("cat", (gen.leaf((3, 2)), gen.leaf((3, 3))), (1,)), idx), (1,)))
+            nested = Term("cat", (gen.leaf((3, 1)), Term("cat", (gen.leaf((3, 2)), gen.leaf((3, 2))), (1,))), (1,))
+            out.append(Term("gather", (nested, idx), (1,)))
+            out.append(Term("GatherOff", (gen.leaf((3, 2)), gen.leaf((3, k), "i", 6)), (1, 3)))
+            out.append(Term("GatherOff", (gen.leaf((3, 2)), gen.leaf((3, k), "i", 4)), (1, 0)))
+            split = Term("cat", (gen.leaf((3, 1)), gen.leaf((3, 2))), (1,))
+            out.append(Term("GatherOff", (split, gen.leaf((3, k), "i", 5)), (1, 1)))
+        for op in ("lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t"):
+            ints = gen.leaf((2, 3), "i", 3)
+            out.append(Term(op, (Term("view", (ints,), ((6, 1),)), Term("full", (), (1.0, (6, 1))))))
+        c, x = gen.leaf((2, 3), "b"), gen.leaf((2, 3))
+        out.append(Term("where_t", (Term("view", (c,), ((3, 2),)), Term("view", (x,), ((3, 2),)),
+                                    Term("full", (), (0.0, (3, 2))))))
+        c1, s = Term("view", (gen.leaf((3,), "b"),), ((3, 1),)), gen.leaf(())
+        scalar = Term("expand", (s,), ((3, 1),))
+        out += [Term("where_t", (c1, scalar, Term("full", (), (0.0, (3, 1))))),
+                Term("where_t", (c1, Term("full", (), (0.0, (3, 1))), scalar))]
+        out += _one_hots(gen)
+    return out
+
+
+def _one_hots(gen: Any) -> list[Term]:
+    """The one-hot over 5 classes, next to the masked one-hots of classes [0, 2) and [2, 5)."""
+    out: list[Term] = []
+    i = gen.leaf((3, 1), "i", 5)
+    zero = Term("full", (), (0.0, (3, 1)))
+    big = Term("scatter_value", (Term("full", (), (0.0, (3, 5))), i), (1, -1.0))
+    for start, end in ((0, 2), (2, 5)):
+        mask = Term("logical_or_t", (Term("lt_t", (i, Term("full", (), (float(start), (3, 1))))),
+                                     Term("ge_t", (i, Term("full", (), (float(end), (3, 1)))))))
+        shifted = i
+        if start:  # an integer rank tensor defined as the shifted index (a sum's type is its first term's)
+            shifted = gen.leaf((3, 1), "i", 5)
+            gen.defined[shifted.attrs[0]] = Term("Sum", (i, Term("full", (), (float(-start), (3, 1)))))
+        local = Term("where_t", (mask, zero, shifted))
+        piece = (3, end - start)
+        hot = Term("scatter_value", (Term("full", (), (0.0, piece)), local), (1, -1.0))
+        masked = Term("where_t", (Term("expand", (mask,), (piece,)), Term("full", (), (0.0, piece)), hot))
+        if start:  # the seed names every constructor the rule reads: the sum too
+            masked = Term("cat", (masked, gen.defined[shifted.attrs[0]]), (1,))
+        out.append(Term("cat", (big, masked), (1,)))  # one seed: the rule reads both
+    return out

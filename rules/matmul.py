@@ -10,6 +10,7 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder, rational
 from refine.ops.registry import (
     ArgSpec,
@@ -166,3 +167,18 @@ def _matmul(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...
 
 
 SAMPLES = {"matmul": Sample(_matmul, count=4)}
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Batched products with a concat or a slice on each dim, and the helper constructor
+    applied directly."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        ab, bb = gen.leaf((2, 3, 2)), gen.leaf((2, 2, 4))
+        for d in range(3):
+            out.append(Term("slice", (Term("matmul", (ab, bb)),), (d, 1, 2)))
+        out.append(Term("matmul", (Term("cat", (gen.leaf((1, 3, 2)), gen.leaf((1, 3, 2))), (0,)), bb)))
+        out.append(Term("matmul", (ab, Term("cat", (gen.leaf((1, 2, 4)), gen.leaf((1, 2, 4))), (0,)))))
+        out.append(Term("matmul", (Term("cat", (gen.leaf((2, 1, 2)), gen.leaf((2, 2, 2))), (1,)), bb)))
+        out.append(Term("MatmulBy", (gen.leaf((3, 4)), gen.leaf((2, 3)))))
+    return out

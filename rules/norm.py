@@ -8,6 +8,7 @@ from typing import Any
 
 from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import F, torch
+from refine.ir.term import Term
 from refine.ops.lower import Builder
 from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite
 
@@ -208,3 +209,15 @@ SAMPLES = {
     "rms_norm_c": Sample(_norm("rms_norm_c"), count=3),
     "layer_norm_rstd_c": Sample(lambda gen, x: ([(x, "f", 0)], (gen.rng.choice([1e-5, 0.5]),)), count=2),
 }
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Layer and RMS norms over a concat of rows, and rows sliced from them."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        for op, n_params in (("layer_norm_c", 2), ("rms_norm_c", 1)):
+            c = Term("cat", (gen.leaf((1, 3)), gen.leaf((2, 3))), (0,))
+            params = tuple(gen.leaf((3,)) for _ in range(n_params))
+            out.append(Term(op, (c, *params), (1, 1e-5)))
+            out.append(Term("slice", (Term(op, (gen.leaf((3, 3)), *params), (1, 1e-5)),), (0, 1, 3)))
+    return out

@@ -196,6 +196,18 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     return out
 
 
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Sums over a merged first dim, and the helper constructors applied directly."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        for src, v in (((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
+                       ((2, 3, 4), (3, 2, 4))):
+            out.append(Term("rsum", (Term("view", (gen.leaf(src),), (v,)),), (0,)))
+        t = gen.leaf((2, 3))
+        out += [Term(h, (t,), (gen.rng.randrange(2),)) for h in ("RsumBy", "RmaxBy", "RmeanBy")]
+    return out
+
+
 # The soundness harness's seeds: a dim to reduce over
 def _over_dim(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
     return [(x, "f", 0)], (gen.rng.randrange(len(x)),)

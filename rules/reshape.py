@@ -9,6 +9,7 @@ from typing import Any
 
 from refine.ir import sizes
 from refine.ir.graph import Arg, TensorType
+from refine.ir.term import Term
 from refine.ops.lower import Builder, normalize_dim
 from refine.ops.registry import Op, Rule, ShapeError, rule
 
@@ -172,3 +173,22 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
 
 
 DECLS = ["(function pp (IV i64) Dim :merge old)"]
+
+
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Views that keep or break a concat: head splits and merges of a concat along either
+    dim, and flattened."""
+    r = gen.rng
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        a, b = r.choice([(2, 4), (4, 2), (3, 3), (1, 5), (2, 2)])
+        h = r.choice([1, 2, 3])
+        for d, shp in ((0, (a + b, h)), (1, (h, a + b))):
+            c = Term("cat", (gen.leaf(shp[:d] + (a,) + shp[d + 1:]), gen.leaf(shp[:d] + (b,) + shp[d + 1:])), (d,))
+            n = a + b
+            f = r.choice([f for f in range(1, n + 1) if n % f == 0])
+            split = shp[:d] + (f, n // f) + shp[d + 1:]
+            out += [Term("view", (c,), (split,)), Term("view", (c,), ((math.prod(shp),),))]
+            merged = Term("cat", (gen.leaf((h, a, 2)), gen.leaf((h, b, 2))), (1,))
+            out += [Term("view", (merged,), ((h, (a + b) * 2),)), Term("view", (merged,), ((h * (a + b), 2),))]
+    return out

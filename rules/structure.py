@@ -443,6 +443,112 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     return out
 
 
+def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Shapes of the relation language the generic seeds rarely make (`_rare_shapes`), the
+    helper constructors applied directly, and like terms in sums (`_like_terms`)."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        out += _rare_shapes(gen)
+    for _ in range(gen.instances):
+        out += _like_terms(gen)
+    # a rank tensor defined as a multiple, next to another multiple of the same tensor
+    u = gen.leaf((2, 3))
+    k = gen.defined_leaf(Term("Scale", (u,), (Fraction(3, 2),)))
+    out.append(Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), k)))
+    return out
+
+
+def _rare_shapes(gen: Any) -> list[Term]:
+    """Concats of adjacent slices, nested transposes, slices and concats, concats under an
+    expand, a transpose or another concat (2x2 blocks), slices and views of broadcasts, and
+    the helper constructors applied directly."""
+    r = gen.rng
+    out: list[Term] = []
+    # adjacent slices of one tensor, and one concat of them
+    x = gen.leaf(gen.dims(2, lo=1) if r.random() < 0.5 else (4, 3))
+    sh = gen.shape(x)
+    d = r.randrange(len(sh))
+    if sh[d] >= 2:
+        m = r.randint(1, sh[d] - 1)
+        p, q = Term("slice", (x,), (d, 0, m)), Term("slice", (x,), (d, m, sh[d]))
+        out += [Term("cat", (p, q), (d,))]
+    # transposes of transposes with the same dims
+    y = gen.leaf(gen.dims(3))
+    i, j = r.sample(range(3), 2)
+    out.append(Term("transpose", (Term("transpose", (y,), (i, j)),), (i, j)))
+    # slices of slices on one dim, slices of a concat straddling it
+    z = gen.leaf((5, r.choice([1, 3])))
+    out.append(Term("slice", (Term("slice", (z,), (0, 1, 5)),), (0, 1, 3)))
+    c3 = Term("cat", (gen.leaf((2, 2)), Term("cat", (gen.leaf((1, 2)), gen.leaf((3, 2))), (0,))), (0,))
+    s = r.randint(0, 4)
+    out.append(Term("slice", (c3,), (0, s, r.randint(s + 1, 6))))
+    out.append(Term("cat", (Term("cat", (gen.leaf((2, 2)), gen.leaf((1, 2))), (0,)), gen.leaf((3, 2))), (0,)))
+    # concats under an expand: along a kept dim (new leading dims, size-1 dims broadcast)
+    kept = Term("cat", (gen.leaf((1, 1, 3)), gen.leaf((2, 1, 3))), (0,))
+    out += [Term("expand", (kept,), ((2, 3, 4, 3),)), Term("expand", (kept,), ((3, 2, 3),))]
+    # 2x2 blocks: concats along dim 0 under a concat along dim 1, split at the same
+    # row on both sides, and at different rows (no interchange there)
+    for k in (1, 2):
+        left = Term("cat", (gen.leaf((1, 2)), gen.leaf((2, 2))), (0,))
+        right = Term("cat", (gen.leaf((k, 3)), gen.leaf((3 - k, 3))), (0,))
+        out.append(Term("cat", (left, right), (1,)))
+    # a concat under a transpose of two other dims; a slice of broadcast dims
+    a3, b3 = gen.leaf((2, 1, 3)), gen.leaf((2, 2, 3))
+    for ij in ((0, 2), (0, 1), (1, 2)):  # other dims; the concat dim second; first
+        out.append(Term("transpose", (Term("cat", (a3, b3), (1,)),), ij))
+    e = Term("expand", (gen.leaf((1, 3)),), ((2, 4, 3),))
+    out += [Term("slice", (e,), (0, 1, 2)), Term("slice", (e,), (1, 1, 3)), Term("slice", (e,), (2, 0, 2))]
+    # views of broadcast dims in front of an expanded tensor (1 to 4 dims of its own)
+    for src, sh, v in (((3,), (4, 2, 3), (8, 3)), ((1, 3), (6, 2, 3), (2, 3, 2, 3)),
+                       ((1, 3), (6, 2, 3), (3, 4, 3)), ((2, 1, 3), (4, 2, 5, 3), (2, 2, 2, 5, 3)),
+                       ((2, 1, 2, 3), (2, 2, 1, 2, 3), (1, 2, 2, 1, 2, 3))):
+        out.append(Term("view", (Term("expand", (gen.leaf(src),), (sh,)),), (v,)))
+    # the helper constructors, applied directly
+    t = gen.leaf((2, 3))
+    out += [Term("ScaleBy", (t,), (Fraction(-3, 2),)), Term("SliceBy", (t,), (1, 1, 3)),
+            Term("ViewAs", (t,), ((3, 2),)), Term("TransposeBy", (t,), (0, 1)),
+            Term("ExpandTo", (gen.leaf((1, 3)),), ((2, 3),))]
+    # rules whose matches the random pool may miss: one sure match each
+    out += [
+        Term("view", (Term("view", (gen.leaf((2, 3)),), ((3, 2),)),), ((6,),)),
+        Term("slice", (Term("cat", (gen.leaf((2, 2)), gen.leaf((1, 2))), (0,)),), (0, 0, 1)),
+        Term("Max", (Term("Max", (gen.leaf((2,)), gen.leaf((2,)))), gen.leaf((2,)))),
+        Term("slice", (Term("transpose", (gen.leaf((2, 3, 2)),), (0, 2)),), (1, 1, 3)),
+        # broadcasts of a concat and of a sum
+        Term("expand", (Term("cat", (gen.leaf((1, 3)), gen.leaf((2, 3))), (0,)),), ((2, 3, 3),)),
+        Term("expand", (Term("Sum", (gen.leaf((1, 3)), gen.leaf((1, 3)))),), ((2, 3),)),
+    ]
+    return out
+
+
+def _like_terms(gen: Any) -> list[Term]:
+    """Like terms in sums: multiples of one tensor (negative fractions, zero), a tensor twice,
+    a tensor beside a multiple of it; a zero term and zero-padded pieces; a sum of three
+    terms beside a sum of two of them; a broadcast of a scale."""
+    out: list[Term] = []
+    u = gen.leaf((2, 3))
+    out += [Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), Term("Scale", (u,), (Fraction(-3, 4),)))),
+            Term("Sum", (Term("Scale", (u,), (Fraction(0),)), Term("Scale", (u,), (Fraction(5),)))),
+            Term("Sum", (u, u, gen.leaf((2, 3)))), Term("Sum", (u, Term("Scale", (u,), (Fraction(2, 3),))))]
+    sh = gen.dims(2)
+    out.append(Term("Sum", (gen.leaf(sh), Term("full", (), (0.0, sh)))))
+    out.append(Term("Sum", (Term("cat", (gen.leaf((2, 3)), Term("full", (), (0.0, (1, 3)))), (0,)),
+                            Term("cat", (Term("full", (), (0.0, (2, 3))), gen.leaf((1, 3))), (0,)))))
+    y = gen.leaf((2,))
+    out.append(Term("Sum", (Term("Scale", (y,), (Fraction(1, 2),)), Term("Scale", (y,), (Fraction(3),)))))
+    a, b, c = (gen.leaf((2,)) for _ in range(3))
+    out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
+    w = gen.leaf((2, 3))
+    out += [Term("Sum", (w, w, gen.leaf((2, 3)))), Term("Sum", (w, Term("Scale", (w,), (Fraction(-1, 2),))))]
+    # two scales of one tensor (equal factors too), beside another term
+    x = gen.leaf((2, 3))
+    half = Term("Scale", (x,), (Fraction(1, 2),))
+    out += [Term("Sum", (half, Term("Scale", (x,), (Fraction(3, 2),)), gen.leaf((2, 3)))),
+            Term("Sum", (half, half)),
+            Term("expand", (Term("Scale", (gen.leaf((1, 3)),), (Fraction(1, 2),)),), ((2, 3),))]
+    return out
+
+
 # Helper constructors let a partially applied function map over the terms of a sum.
 HELPERS = [
     Helper("ScaleBy", ("BigRat", "T"), lambda op, r, x: op("Scale")(x, factor=Fraction(r))),

@@ -202,6 +202,9 @@ class Registry:
     # (family, SEEDS): a family's SEEDS(gen) -> terms, seed terms the soundness harness gives
     # that family's rules (left sides that are whole formulas the random seeds never build)
     seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
+    # (family, SHARED_SEEDS): small seed terms the harness gives every rule, of any family,
+    # whose query's constructors they hold (shapes the generic seeds rarely make)
+    shared_seeders: list[tuple[str, Callable[..., Any]]] = field(default_factory=list)
     # the file each op, rule and declaration came from ("op NAME", "rule NAME", "decl TEXT"),
     # so a refusal can name it (refine.prove.extra_rules)
     origins: dict[str, str] = field(default_factory=dict)
@@ -238,6 +241,8 @@ class Registry:
             self.facts[rel] = fact
         if callable(getattr(module, "SEEDS", None)):
             self.seeders.append((name, module.SEEDS))
+        if callable(getattr(module, "SHARED_SEEDS", None)):
+            self.shared_seeders.append((name, module.SHARED_SEEDS))
         self._pending.append((name, getattr(module, "RULES", []), file))
 
     def finish(self) -> Registry:

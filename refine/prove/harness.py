@@ -4,14 +4,18 @@
    core op grammar, biased toward what rules match: every core op applied to random
    arguments, with each tensor argument in turn replaced by a concat of two or three
    pieces (uneven, size-1 pieces included), a slice, a transpose, a view, an expand, a
-   constant, a sum (of one, two or three terms), a scale or a max; each op result sliced;
-   and the helper constructors rule files declare (`ScaleBy`, `EmbRows`, ...) applied
-   directly. Shapes are small (1 to 4 per dim), so edge shapes come up often. Each op's
-   seeds come from a random stream of its own, so a new op leaves the others' seeds as they
-   were; index arguments hold integers below the indexed size.
+   constant, a sum (of one, two or three terms), a scale or a max; each op result sliced.
+   Shapes are small (1 to 4 per dim), so edge shapes come up often. Each op's seeds come
+   from a random stream of its own, so a new op leaves the others' seeds as they were;
+   index arguments hold integers below the indexed size. The rule families add their own
+   seeds, each list from a random stream of its own too: `SHARED_SEEDS(gen)`, small terms
+   the generic forms rarely make (nested structure, the helper constructors applied
+   directly, sure matches), given to every rule whose query they fit, and `SEEDS(gen)`,
+   whole formulas, given to the family's own rules.
 2. **One rule at a time.** One egglog e-graph holds every declaration, the shape analysis
    (ruleset `shapes`, as in `refine.prove.engine.Engine`) and each rule in a ruleset of its own.
-   For each rule: push, insert the seeds whose ops cover the rule's query, run the rule a
+   For each rule: push, insert the seeds whose ops cover the rule's query (its family's
+   SEEDS and every family's SHARED_SEEDS that do, then generic ones), run the rule a
    few times (saturating the shape analysis in between), serialize the e-graph, pop.
 3. **Check.** Leaves get random float64 values (ids: int64 below the table size, masks:
    bool, operands of log/sqrt/div: positive). Every e-node of the e-graph read back is
@@ -232,8 +236,7 @@ class SeedGen:
     FORMS = ("cat", "cat3", "slice", "transpose", "view", "expand", "full", "sum", "sum1", "sum3", "scale", "max", "max1")
 
     def seeds(self) -> list[Term]:
-        """The special seeds first, then the generic ones."""
-        self.special_terms = self.special()
+        """The generic seeds; the families' go to `family_seeds` and `shared_seeds`."""
         out: list[Term] = []
         for name in sorted(self.core):
             # one random stream per op: a new op leaves every other op's seeds as they were
@@ -262,14 +265,17 @@ class SeedGen:
                         out.append(t)
                         if self.rng.random() < 0.3:
                             out.extend(self.sliced(t))
-        # the families' own seeds (SEEDS), for their own rules only (other rules keep their
-        # seeds); made last, so the leaves above keep their values
+        # the families' seeds (SEEDS, SHARED_SEEDS), each list from a random stream of its
+        # own; made last, so the leaves above keep their values
         self.family_seeds: dict[str, list[Term]] = {}
         for family, make in self.registry.seeders:
             self.rng = random.Random(f"{self.seed}:{family}")
             self.family_seeds[family] = [canonical(t) for t in make(self)]
-        self.n_special = len(self.special_terms)
-        return [canonical(t) for t in self.special_terms + out]
+        self.shared_seeds: dict[str, list[Term]] = {}
+        for family, make in self.registry.shared_seeders:
+            self.rng = random.Random(f"{self.seed}:{family}:shared")
+            self.shared_seeds[family] = [canonical(t) for t in make(self)]
+        return [canonical(t) for t in out]
 
     def sliced(self, t: Term) -> list[Term]:
         shape = self.shape(t)
@@ -280,215 +286,6 @@ class SeedGen:
         s = self.rng.randint(0, n - 1)
         e = self.rng.randint(s + 1, n)
         return [Term("slice", (t,), (d, s, e))]
-
-    def special(self) -> list[Term]:
-        """Shapes the generic forms rarely make, and the helper constructors."""
-        r = self.rng
-        out: list[Term] = []
-        for _ in range(self.instances):
-            # adjacent slices of one tensor, and one concat of them
-            x = self.leaf(self.dims(2, lo=1) if r.random() < 0.5 else (4, 3))
-            sh = self.shape(x)
-            d = r.randrange(len(sh))
-            if sh[d] >= 2:
-                m = r.randint(1, sh[d] - 1)
-                p, q = Term("slice", (x,), (d, 0, m)), Term("slice", (x,), (d, m, sh[d]))
-                out += [Term("cat", (p, q), (d,))]
-            # views that keep or break a concat: head splits and merges
-            a, b = r.choice([(2, 4), (4, 2), (3, 3), (1, 5), (2, 2)])
-            h = r.choice([1, 2, 3])
-            for d, shp in ((0, (a + b, h)), (1, (h, a + b))):
-                c = Term("cat", (self.leaf(shp[:d] + (a,) + shp[d + 1:]), self.leaf(shp[:d] + (b,) + shp[d + 1:])), (d,))
-                n = a + b
-                fs = [f for f in range(1, n + 1) if n % f == 0]
-                f = r.choice(fs)
-                split = shp[:d] + (f, n // f) + shp[d + 1:]
-                out += [Term("view", (c,), (split,)), Term("view", (c,), ((math.prod(shp),),))]
-                merged = Term("cat", (self.leaf((h, a, 2)), self.leaf((h, b, 2))), (1,))
-                out += [Term("view", (merged,), ((h, (a + b) * 2),)), Term("view", (merged,), ((h * (a + b), 2),))]
-            # transposes of transposes with the same dims
-            y = self.leaf(self.dims(3))
-            i, j = r.sample(range(3), 2)
-            out.append(Term("transpose", (Term("transpose", (y,), (i, j)),), (i, j)))
-            # slices of slices on one dim, slices of a concat straddling it
-            z = self.leaf((5, r.choice([1, 3])))
-            out.append(Term("slice", (Term("slice", (z,), (0, 1, 5)),), (0, 1, 3)))
-            c3 = Term("cat", (self.leaf((2, 2)), Term("cat", (self.leaf((1, 2)), self.leaf((3, 2))), (0,))), (0,))
-            s = r.randint(0, 4)
-            out.append(Term("slice", (c3,), (0, s, r.randint(s + 1, 6))))
-            out.append(Term("cat", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)), self.leaf((3, 2))), (0,)))
-            # concats under an expand: along a kept dim (new leading dims, size-1 dims broadcast)
-            kept = Term("cat", (self.leaf((1, 1, 3)), self.leaf((2, 1, 3))), (0,))
-            out += [Term("expand", (kept,), ((2, 3, 4, 3),)), Term("expand", (kept,), ((3, 2, 3),))]
-            # 2x2 blocks: concats along dim 0 under a concat along dim 1, split at the same
-            # row on both sides, and at different rows (no interchange there)
-            for k in (1, 2):
-                left = Term("cat", (self.leaf((1, 2)), self.leaf((2, 2))), (0,))
-                right = Term("cat", (self.leaf((k, 3)), self.leaf((3 - k, 3))), (0,))
-                out.append(Term("cat", (left, right), (1,)))
-            # a concat under a transpose of two other dims; a slice of broadcast dims
-            a3, b3 = self.leaf((2, 1, 3)), self.leaf((2, 2, 3))
-            for ij in ((0, 2), (0, 1), (1, 2)):  # other dims; the concat dim second; first
-                out.append(Term("transpose", (Term("cat", (a3, b3), (1,)),), ij))
-            e = Term("expand", (self.leaf((1, 3)),), ((2, 4, 3),))
-            out += [Term("slice", (e,), (0, 1, 2)), Term("slice", (e,), (1, 1, 3)), Term("slice", (e,), (2, 0, 2))]
-            # views of broadcast dims in front of an expanded tensor (1 to 4 dims of its own)
-            for src, sh, v in (((3,), (4, 2, 3), (8, 3)), ((1, 3), (6, 2, 3), (2, 3, 2, 3)),
-                               ((1, 3), (6, 2, 3), (3, 4, 3)), ((2, 1, 3), (4, 2, 5, 3), (2, 2, 2, 5, 3)),
-                               ((2, 1, 2, 3), (2, 2, 1, 2, 3), (1, 2, 2, 1, 2, 3))):
-                out.append(Term("view", (Term("expand", (self.leaf(src),), (sh,)),), (v,)))
-            # sums over a merged first dim
-            for src, v in (((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
-                           ((2, 3, 4), (3, 2, 4))):
-                out.append(Term("rsum", (Term("view", (self.leaf(src),), (v,)),), (0,)))
-            # batched products with a concat or a slice on each dim
-            ab, bb = self.leaf((2, 3, 2)), self.leaf((2, 2, 4))
-            for d in range(3):
-                out.append(Term("slice", (Term("matmul", (ab, bb)),), (d, 1, 2)))
-            out.append(Term("matmul", (Term("cat", (self.leaf((1, 3, 2)), self.leaf((1, 3, 2))), (0,)), bb)))
-            out.append(Term("matmul", (ab, Term("cat", (self.leaf((1, 2, 4)), self.leaf((1, 2, 4))), (0,)))))
-            out.append(Term("matmul", (Term("cat", (self.leaf((2, 1, 2)), self.leaf((2, 2, 2))), (1,)), bb)))
-            # norms over a concat of rows
-            for op, n_params in (("layer_norm_c", 2), ("rms_norm_c", 1)):
-                c = Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,))
-                params = tuple(self.leaf((3,)) for _ in range(n_params))
-                out.append(Term(op, (c, *params), (1, 1e-5)))
-                out.append(Term("slice", (Term(op, (self.leaf((3, 3)), *params), (1, 1e-5)),), (0, 1, 3)))
-            # helper constructors, applied directly
-            v = r.choice([2, 3, 5])
-            w = self.leaf((v, 2))
-            ids = self.leaf(self.dims(r.choice([1, 2])), "i", v + 3)
-            out.append(Term("EmbRows", (w, ids), (r.choice([0, 1, 2, 3]),)))
-            out.append(Term("EmbRows", (Term("cat", (self.leaf((1, 2)), self.leaf((v, 2))), (0,)), ids), (r.choice([0, 1]),)))
-            t = self.leaf((2, 3))
-            out += [
-                Term("ScaleBy", (t,), (Fraction(-3, 2),)),
-                Term("SliceBy", (t,), (1, 1, 3)),
-                Term("ViewAs", (t,), ((3, 2),)),
-                Term("TransposeBy", (t,), (0, 1)),
-                Term("MulBy", (self.leaf((2, 3)), t)),
-                Term("DivBy", (self.leaf((2, 3), "p"), t)),
-                Term("MatmulBy", (self.leaf((3, 4)), t)),
-                Term("RsumBy", (t,), (r.randrange(2),)),
-                Term("RmaxBy", (t,), (r.randrange(2),)),
-            ]
-            # two multiples of one tensor (one of them a negative fraction), and of zero
-            u = self.leaf((2, 3))
-            out += [Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), Term("Scale", (u,), (Fraction(-3, 4),)))),
-                    Term("Sum", (Term("Scale", (u,), (Fraction(0),)), Term("Scale", (u,), (Fraction(5),)))),
-                    # a tensor twice, and plain and scaled (like terms collecting)
-                    Term("Sum", (u, u, self.leaf((2, 3)))), Term("Sum", (u, Term("Scale", (u,), (Fraction(2, 3),))))]
-        rng, self.rng = self.rng, random.Random(f"{self.seed}:indexing")  # leave the stream above as it was
-        for _ in range(self.instances):
-            out += self.special_indexing()
-        self.rng = rng
-        # a rank tensor defined as a multiple, next to another multiple of the same tensor
-        u = self.leaf((2, 3))
-        k = self.defined_leaf(Term("Scale", (u,), (Fraction(3, 2),)))
-        out.append(Term("Sum", (Term("Scale", (u,), (Fraction(1, 2),)), k)))
-        return out
-
-    def special_indexing(self) -> list[Term]:
-        """Adjacent ranges, split tables and indices lined up with their inputs, a zero term
-        in a sum, the helpers of the newer rule files, and sure matches for rules the random
-        pool can miss."""
-        r = self.rng
-        out: list[Term] = [Term("RmeanBy", (self.leaf((2, 3)),), (r.randrange(2),))]
-        st = r.choice([1, 2])
-        s0, n0, n1 = r.randint(0, 2), r.randint(1, 3), r.randint(1, 3)
-        a1 = Term("arange_c", (), (s0, s0 + n0 * st, st))
-        a2 = Term("arange_c", (), (s0 + n0 * st, s0 + (n0 + n1) * st, st))
-        out.append(Term("cat", (a1, a2), (0,)))
-        v = r.choice([2, 3, 4])
-        ids = self.leaf(self.dims(r.choice([1, 2])), "i", v)
-        table = Term("cat", (self.leaf((v, 1)), self.leaf((v, 2))), (1,))
-        out.append(Term("embedding", (table, ids)))
-        emb = Term("embedding", (self.leaf((v, 3)), ids))
-        out.append(Term("slice", (emb,), (len(self.shape(ids)), 1, 3)))
-        # x and index with the same extent on the concat's dim 0; gathered/scattered on dim 1
-        x = Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,))
-        idx = self.leaf((3, r.choice([1, 2])), "i", 3)
-        out += [Term("gather", (x, idx), (1,)), Term("scatter_value", (x, idx), (1, -1.0)),
-                Term("slice", (Term("scatter_value", (self.leaf((3, 3)), idx), (1, 2.0)),), (0, 1, 3))]
-        rows = r.choice([2, 4])
-        i1 = self.leaf((3,), "i", rows)
-        vals = Term("cat", (self.leaf((3, 1)), self.leaf((3, 2))), (1,))
-        out.append(Term("index_put_acc", (i1, vals), ((rows, 3),)))
-        out.append(Term("slice", (Term("index_put_acc", (i1, self.leaf((3, 3))), ((rows, 3),)),), (1, 1, 3)))
-        out.append(Term("IndexPutBy", (i1, self.leaf((3, 2))), ((rows, 2),)))
-        sh = self.dims(2)
-        out.append(Term("Sum", (self.leaf(sh), Term("full", (), (0.0, sh)))))
-        # rules whose matches the random pool may miss: one sure match each
-        out += [
-            Term("view", (Term("view", (self.leaf((2, 3)),), ((3, 2),)),), ((6,),)),
-            Term("slice", (Term("cat", (self.leaf((2, 2)), self.leaf((1, 2))), (0,)),), (0, 0, 1)),
-            Term("Max", (Term("Max", (self.leaf((2,)), self.leaf((2,)))), self.leaf((2,)))),
-            Term("slice", (Term("transpose", (self.leaf((2, 3, 2)),), (0, 2)),), (1, 1, 3)),
-            # broadcasts of a concat and of a sum; zero-padded pieces; two scales of one tensor
-            Term("expand", (Term("cat", (self.leaf((1, 3)), self.leaf((2, 3))), (0,)),), ((2, 3, 3),)),
-            Term("expand", (Term("Sum", (self.leaf((1, 3)), self.leaf((1, 3)))),), ((2, 3),)),
-            Term("ExpandTo", (self.leaf((1, 3)),), ((2, 3),)),
-            Term("Sum", (Term("cat", (self.leaf((2, 3)), Term("full", (), (0.0, (1, 3)))), (0,)),
-                         Term("cat", (Term("full", (), (0.0, (2, 3))), self.leaf((1, 3))), (0,)))),
-        ]
-        y = self.leaf((2,))
-        out.append(Term("Sum", (Term("Scale", (y,), (Fraction(1, 2),)), Term("Scale", (y,), (Fraction(3),)))))
-        # a sum of three terms beside a sum of two of them
-        a, b, c = (self.leaf((2,)) for _ in range(3))
-        out.append(Term("cat", (Term("Sum", (a, b, c)), Term("Sum", (a, c))), (0,)))
-        # like terms in a sum: one tensor twice; a tensor beside a multiple of it
-        w = self.leaf((2, 3))
-        out += [Term("Sum", (w, w, self.leaf((2, 3)))), Term("Sum", (w, Term("Scale", (w,), (Fraction(-1, 2),))))]
-        # like terms in a sum: two scales of one tensor (equal factors too), beside another term
-        x = self.leaf((2, 3))
-        half = Term("Scale", (x,), (Fraction(1, 2),))
-        out += [Term("Sum", (half, Term("Scale", (x,), (Fraction(3, 2),)), self.leaf((2, 3)))),
-                Term("Sum", (half, half)),
-                Term("expand", (Term("Scale", (self.leaf((1, 3)),), (Fraction(1, 2),)),), ((2, 3),))]
-        return out + self.special_losses()
-
-    def special_losses(self) -> list[Term]:
-        """rules/loss.py: lookups along a concat's own dim (vocab pieces, nested), masks on a
-        viewed target, and a one-hot next to a rank's masked one-hot of its vocab range."""
-        out: list[Term] = []
-        for k in (1, 2):
-            idx = self.leaf((3, k), "i", 5)
-            out.append(Term("gather", (Term("cat", (self.leaf((3, 2)), self.leaf((3, 3))), (1,)), idx), (1,)))
-            nested = Term("cat", (self.leaf((3, 1)), Term("cat", (self.leaf((3, 2)), self.leaf((3, 2))), (1,))), (1,))
-            out.append(Term("gather", (nested, idx), (1,)))
-            out.append(Term("GatherOff", (self.leaf((3, 2)), self.leaf((3, k), "i", 6)), (1, 3)))
-            out.append(Term("GatherOff", (self.leaf((3, 2)), self.leaf((3, k), "i", 4)), (1, 0)))
-            split = Term("cat", (self.leaf((3, 1)), self.leaf((3, 2))), (1,))
-            out.append(Term("GatherOff", (split, self.leaf((3, k), "i", 5)), (1, 1)))
-        for op in ("lt_t", "le_t", "gt_t", "ge_t", "eq_t", "ne_t"):
-            ints = self.leaf((2, 3), "i", 3)
-            out.append(Term(op, (Term("view", (ints,), ((6, 1),)), Term("full", (), (1.0, (6, 1))))))
-        c, x = self.leaf((2, 3), "b"), self.leaf((2, 3))
-        out.append(Term("where_t", (Term("view", (c,), ((3, 2),)), Term("view", (x,), ((3, 2),)),
-                                    Term("full", (), (0.0, (3, 2))))))
-        c1, s = Term("view", (self.leaf((3,), "b"),), ((3, 1),)), self.leaf(())
-        scalar = Term("expand", (s,), ((3, 1),))
-        out += [Term("where_t", (c1, scalar, Term("full", (), (0.0, (3, 1))))),
-                Term("where_t", (c1, Term("full", (), (0.0, (3, 1))), scalar))]
-        # the one-hot over 5 classes, and the masked one-hots of classes [0, 2) and [2, 5)
-        i = self.leaf((3, 1), "i", 5)
-        zero = Term("full", (), (0.0, (3, 1)))
-        big = Term("scatter_value", (Term("full", (), (0.0, (3, 5))), i), (1, -1.0))
-        for start, end in ((0, 2), (2, 5)):
-            mask = Term("logical_or_t", (Term("lt_t", (i, Term("full", (), (float(start), (3, 1))))),
-                                         Term("ge_t", (i, Term("full", (), (float(end), (3, 1)))))))
-            shifted = i
-            if start:  # an integer rank tensor defined as the shifted index (a sum's type is its first term's)
-                shifted = self.leaf((3, 1), "i", 5)
-                self.defined[shifted.attrs[0]] = Term("Sum", (i, Term("full", (), (float(-start), (3, 1)))))
-            local = Term("where_t", (mask, zero, shifted))
-            piece = (3, end - start)
-            hot = Term("scatter_value", (Term("full", (), (0.0, piece)), local), (1, -1.0))
-            masked = Term("where_t", (Term("expand", (mask,), (piece,)), Term("full", (), (0.0, piece)), hot))
-            if start:  # the seed names every constructor the rule reads: the sum too
-                masked = Term("cat", (masked, self.defined[shifted.attrs[0]]), (1,))
-            out.append(Term("cat", (big, masked), (1,)))  # one seed: the rule reads both
-        return out
 
 
 def canonical(t: Term) -> Term:
@@ -581,6 +378,10 @@ class Harness:
         gen = SeedGen(reg, self.seed, self.instances)
         self.seed_terms = gen.seeds()
         self.gen = gen
+        # every seed with the constructors it holds: a rule is given the seeds holding its query's
+        self.generic_pool = [(t, t.ops()) for t in self.seed_terms]
+        self.family_pool = {f: [(t, t.ops()) for t in ts] for f, ts in gen.family_seeds.items()}
+        self.shared_pool = [(t, t.ops()) for ts in gen.shared_seeds.values() for t in ts]
         self.values = leaf_values(gen.leaves, self.seed)
         for name, t in gen.defined.items():
             self.values[name] = eval_term(t, self.registry, self.values, {})
@@ -637,16 +438,17 @@ class Harness:
     # -- one rule
 
     def seeds_for(self, rule: Rule) -> list[Term]:
-        """The seeds holding every constructor the rule's query names (at most
-        `max_seeds`, a fixed random choice)."""
+        """The seeds holding every constructor the rule's query names: its family's SEEDS and
+        every family's SHARED_SEEDS that do, then generic ones, a fixed random choice of
+        them filling up to `max_seeds`."""
         heads = self.heads[rule.name]
-        special = [s for s in self.gen.family_seeds.get(rule.family, []) if heads <= s.ops()]
-        special += [s for s in self.seed_terms[:self.gen.n_special] if heads <= s.ops()]
-        fit = [s for s in self.seed_terms[self.gen.n_special:] if heads <= s.ops()]
-        room = max(self.max_seeds - len(special), 0)
+        given = [t for t, ops in self.family_pool.get(rule.family, []) if heads <= ops]
+        given += [t for t, ops in self.shared_pool if heads <= ops]
+        fit = [t for t, ops in self.generic_pool if heads <= ops]
+        room = max(self.max_seeds - len(given), 0)
         if len(fit) > room:
             fit = random.Random(f"{self.seed}:{rule.name}").sample(fit, room)
-        return special + fit
+        return given + fit
 
     def check_rule(self, index: int, rule: Rule) -> RuleResult:
         t0 = time.perf_counter()

@@ -92,3 +92,25 @@ def test_symbolic_rules_are_sound_and_fire(symbolic_results: dict[str, RuleResul
     assert not unsound, unsound
     silent = sorted(n for n, r in symbolic_results.items() if not r.fired)
     assert not silent, f"symbolic rules never exercised: {silent}"
+
+
+def test_family_seeds_reach_the_rules_they_fit() -> None:
+    """A family's SHARED_SEEDS go to every rule, of any family, whose query's constructors
+    they hold (a view of a concat in reshape.py is merge_view.py's match too); its SEEDS
+    (whole formulas) to its own rules only. The harness holds no seed of its own."""
+    h = Harness(REG, seed=0, instances=1)
+    shared = {t: f for f, ts in h.gen.shared_seeds.items() for t in ts}
+    own = {t: f for f, ts in h.gen.family_seeds.items() for t in ts}
+    assert {"structure", "reshape", "loss"} <= set(h.gen.shared_seeds)
+    assert not set(h.seed_terms) & (set(shared) | set(own))
+    across = 0
+    for _, r in h.checked_rules:
+        given = set(h.seeds_for(r))
+        heads = h.heads[r.name]
+        for t, f in shared.items():
+            if heads <= t.ops():
+                assert t in given, (r.name, f, str(t))
+                across += f != r.family
+        for t, f in own.items():
+            assert (t in given) == (f == r.family and heads <= t.ops()), (r.name, f, str(t))
+    assert across > 0  # some shared seed exercises another family's rule
