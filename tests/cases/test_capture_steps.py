@@ -87,7 +87,7 @@ def test_accumulation_with_four_micro_batches_refines() -> None:
     # culprit is the micro-batch loss's division by the wrong count (its forward division
     # and autograd's 1/(B*H) seed of it, on every rank and micro-batch, edited together)
     ("mean_over_global_batch", {"loss"} | DP_GRADS,
-     'return F.mse_loss(model(x), target, reduction="sum") / (B * H)', "loss"),
+     'return F.mse_loss(model(x), target, reduction="sum") / (batch * H)', "loss"),
 ])
 def test_accumulation_twins(bug: str, wrong: set[str], snippet: str, output: str) -> None:
     case = captured(ACCUM, world_size=2, micro_batches=2, bug=bug)
