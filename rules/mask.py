@@ -13,10 +13,15 @@ taken apart term by term:
     a / cast_float(n)           = a / n                      (a cast keeps the divisor's values)
     r * (a / b)                 = (r * a) / b
     r * expand(a)               = expand(r * a)
-    r * full(1.0)               = full(r)                    (r exactly a float64)
+    r * full(1.0)               = full(r)                    (r a simple rational)
 
 The last lets a constant factor the ranks apply as an exact rational (the smoothing weight
-`ls / V` times a mask) meet the sequential float constant autograd folded it into.
+`ls / V` times a mask) meet the sequential float constant autograd folded it into. A float
+constant stands for the simplest rational that rounds to it (`refine.ops.lower.rational`),
+so full(f) is r * full(1.0) exactly when r is the simplest rational of f = float(r); that
+holds when |numer(r)| * denom(r) < 2^51: another rational p/q rounding to f with q <= d
+would differ from r = n/d by at least 1/d^2, yet both lie within one ulp of f, at most
+2^-52 |f| < 2^-51 |n|/d apart, so |n| * d > 2^51.
 
 Each is an identity for every value of the leaves (the cast turns a bool or integer divisor
 into the same reals), checked by the soundness harness on this file's seeds.
@@ -32,9 +37,9 @@ from refine.ops.registry import Helper, Rule, rewrite, rule
 
 ZERO = "(full 0.0 s)"
 BIG = "(bigint 1)"
-# r is a float64 exactly: a numerator of at most 53 bits over a power of two (normal range)
-EXACT_F64 = ["(= n (numer r))", "(= d (denom r))", f"(= (& d (- d {BIG})) (bigint 0))", "(<= (bits d) (bigint 1000))",
-             f"(< n (<< {BIG} 53))", f"(> n (- (bigint 0) (<< {BIG} 53)))"]
+# r = n/d is the simplest rational of its float64 (the module docstring says why), and that
+# float is normal (|r| > 1/d > 2^-51, |r| <= |n| < 2^51)
+SIMPLE = ["(= n (numer r))", "(= d (denom r))", f"(< (* n d) (<< {BIG} 51))", f"(> (* n d) (- (bigint 0) (<< {BIG} 51)))"]
 
 RULES: list[Rule] = [
     rule("where-zero-sum", ["(= e (where_t c (Sum ms) z))", f"(= z {ZERO})"],
@@ -46,7 +51,7 @@ RULES: list[Rule] = [
          ["(union e (where_t c (Scale x r) z))"]),
     rewrite("scale-into-div", "(Scale (div_t a b) r)", "(div_t (Scale a r) b)"),
     rewrite("scale-into-expand", "(Scale (expand a s) r)", "(expand (Scale a r) s)"),
-    rule("scale-full-one", ["(= e (Scale (full v s) r))", "(= v 1.0)", *EXACT_F64],
+    rule("scale-full-one", ["(= e (Scale (full v s) r))", "(= v 1.0)", *SIMPLE],
          ["(union e (full (to-f64 r) s))"]),
     rewrite("where-eq-as-ne", "(where_t (eq_t x y) a b)", "(where_t (ne_t x y) b a)"),
     rewrite("where-ne-as-eq", "(where_t (ne_t x y) a b)", "(where_t (eq_t x y) b a)"),
@@ -74,11 +79,12 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("Scale", (Term("where_t", (c, a, zero)),), (Fraction(r.choice([-1, 2, 3])),)))
         out.append(Term("Scale", (Term("div_t", (a, gen.leaf(shape, "p"))),), (Fraction(r.choice([-3, 1, 5]), 7),)))
         out.append(Term("Scale", (Term("expand", (gen.leaf((1, shape[1])),), (shape,)),), (Fraction(-2, 3),)))
-        # a float constant as a rational factor (exact: 0.003125 is not 1/320), and one that
-        # is no float64 (1/3 must not fire)
+        # simple rationals as factors of a float constant (1/320: the float 0.003125 stands
+        # for it), and ones that are not the reading of their float (binary fractions with a
+        # long numerator: they must not fire)
         one = Term("full", (), (1.0, shape))
-        out += [Term("Scale", (one,), (Fraction(0.003125),)), Term("Scale", (one,), (Fraction(-0.9),)),
-                Term("Scale", (one,), (Fraction(1, 3),))]
+        out += [Term("Scale", (one,), (f,)) for f in (Fraction(1, 320), Fraction(-9, 10), Fraction(1, 3),
+                                                      Fraction(0.1), Fraction(2 ** 60 + 1, 2 ** 60))]
         # a comparison of integer targets with a constant, its complement, and wheres over it
         t = gen.leaf(shape, "i", bound=3)
         k = Term("full", (), (float(r.choice([0, 1, 2])), shape))
