@@ -17,11 +17,14 @@ taken apart term by term:
 
 The last lets a constant factor the ranks apply as an exact rational (the smoothing weight
 `ls / V` times a mask) meet the sequential float constant autograd folded it into. A float
-constant stands for the simplest rational that rounds to it (`refine.ops.lower.rational`),
-so full(f) is r * full(1.0) exactly when r is the simplest rational of f = float(r); that
-holds when |numer(r)| * denom(r) < 2^51: another rational p/q rounding to f with q <= d
-would differ from r = n/d by at least 1/d^2, yet both lie within one ulp of f, at most
-2^-52 |f| < 2^-51 |n|/d apart, so |n| * d > 2^51.
+constant stands for the rational `refine.ops.lower.float_rational` reads it as (for
+m * 2^e, 1/2 <= m < 1, the simplest rational rounding to m, times 2^e), so full(f) is
+r * full(1.0) exactly when r is that reading of f = float(r). That holds when the odd
+parts of r's numerator and denominator are under 2^25 (and r is nonzero and within 2^1000
+of 1, so f is normal): then r = m' * 2^e with m' = n'/d' in [1/2, 1) and n' * d' < 2^51
+(n' * d' < 2 * max(odd parts)^2). Another rational p/q rounding to float(m') with q <= d'
+would differ from m' by at least 1/d'^2, yet both lie in its rounding interval, at most
+2^-53 wide: so d'^2 >= 2^53 and n' * d' >= d'^2 / 2 >= 2^52, which it is not.
 
 Each is an identity for every value of the leaves (the cast turns a bool or integer divisor
 into the same reals), checked by the soundness harness on this file's seeds.
@@ -37,9 +40,11 @@ from refine.ops.registry import Helper, Rule, rewrite, rule
 
 ZERO = "(full 0.0 s)"
 BIG = "(bigint 1)"
-# r = n/d is the simplest rational of its float64 (the module docstring says why), and that
-# float is normal (|r| > 1/d > 2^-51, |r| <= |n| < 2^51)
-SIMPLE = ["(= n (numer r))", "(= d (denom r))", f"(< (* n d) (<< {BIG} 51))", f"(> (* n d) (- (bigint 0) (<< {BIG} 51)))"]
+# r = n/d is the reading of its float64 (the module docstring says why): odd parts of n and
+# d under 2^25 (n / (n & -n) strips n's factors of two), |r| within 2^1000 of 1
+ODD = ["(= no (/ n (& n (- (bigint 0) n))))", "(= do (/ d (& d (- (bigint 0) d))))"]
+SIMPLE = ["(= n (numer r))", "(= d (denom r))", "(!= n (bigint 0))", *ODD, f"(< (* no no) (<< {BIG} 50))",
+          f"(< (* do do) (<< {BIG} 50))", "(<= (bits n) (bigint 1000))", "(<= (bits d) (bigint 1000))"]
 
 RULES: list[Rule] = [
     rule("where-zero-sum", ["(= e (where_t c (Sum ms) z))", f"(= z {ZERO})"],
@@ -84,7 +89,7 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         # long numerator: they must not fire)
         one = Term("full", (), (1.0, shape))
         out += [Term("Scale", (one,), (f,)) for f in (Fraction(1, 320), Fraction(-9, 10), Fraction(1, 3),
-                                                      Fraction(0.1), Fraction(2 ** 60 + 1, 2 ** 60))]
+                                                      Fraction(3, 2 ** 70), Fraction(0.1), Fraction(2 ** 60 + 1, 2 ** 60))]
         # a comparison of integer targets with a constant, its complement, and wheres over it
         t = gen.leaf(shape, "i", bound=3)
         k = Term("full", (), (float(r.choice([0, 1, 2])), shape))

@@ -118,9 +118,9 @@ def rational(v: Any, what: str = "constant") -> Fraction:
     of mul/div, an `alpha`, a `full` fill taken as a factor, a rational attribute).
 
     Integers, `Fraction`s and strings ("1/3", "0.1": the number as written) are exact. A
-    float is read as `simplest_rational(v)`, the rational of smallest denominator that
-    rounds to it, not as its binary fraction: a literal 0.3333333333333333 stands for 1/3,
-    0.010416666666666666 (autograd's 2/192) for 1/96, 0.0625 for 1/16, 0.1 for 1/10.
+    float is read by `float_rational`, not as its binary fraction: 0.3333333333333333
+    stands for 1/3, 0.010416666666666666 (autograd's 2/192) for 1/96, 0.0625 for 1/16, 0.1
+    for 1/10, an integral float for its integer.
 
     Why this is sound for refine's model: the programs run in floating point, the prover
     reasons over the reals, and a float literal in either program is the rounding of the
@@ -128,8 +128,8 @@ def rational(v: Any, what: str = "constant") -> Fraction:
     fraction is one guess at that number; it makes a 1/3 written as a float on one side
     and a 1/3 made by a mean over 3 elements on the other two different reals, so equal
     programs false-alarm (`models/capture/accum_mlp.py` at a batch of 12 in 3
-    micro-batches). The simplest rational is the guess that meets such constants, and it
-    keeps what matters: it rounds back to the same float (so the numeric oracle, which
+    micro-batches). The simplest rational rounding to the float is the guess that meets
+    such constants, and it keeps what matters: it rounds back to the same float (so the numeric oracle, which
     runs the programs' own floats, runs exactly the constants the prover reasoned with),
     and distinct floats are distinct rationals (each lies in its own float's rounding
     interval), so two different literals never become one number (0.0104 is not 1/96).
@@ -146,7 +146,30 @@ def rational(v: Any, what: str = "constant") -> Fraction:
     v = float(v)
     if not math.isfinite(v):
         raise ShapeError(f"{what} {v} is not a finite number: refine scales by exact rationals")
-    return simplest_rational(v)
+    return float_rational(v)
+
+
+@functools.lru_cache(maxsize=4096)
+def float_rational(x: float) -> Fraction:
+    """The rational a float stands for: x = m * 2^e with 1/2 <= |m| < 1 (exact), read as
+    `simplest_rational(m) * 2^e`; an integral float is its integer.
+
+    That is the simplest rational rounding to x whenever that one is a rational anyone
+    writes (odd parts of numerator and denominator under 2^25: 1/3, 2/96, 0.1, 13/1250),
+    and unlike the plain simplest rational it commutes with scaling by powers of two:
+    halving a float is exact, so a rank that halves a literal (1/sqrt(128) / 2) must meet
+    the sequential literal it halved, as the binary reading did (but for a scale that makes
+    the float integral: c * 2^52 of an irrational-like c is read as an integer). It rounds
+    back to x (the scaling is exact in the normal range; checked, else x's binary fraction)."""
+    exact = Fraction(x)
+    if exact.denominator == 1:
+        return exact
+    m, e = math.frexp(x)
+    r = simplest_rational(m) * Fraction(2) ** e
+    try:
+        return r if float(r) == x else exact
+    except OverflowError:
+        return exact
 
 
 @functools.lru_cache(maxsize=4096)

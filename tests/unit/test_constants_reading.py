@@ -20,7 +20,7 @@ import pytest
 
 from refine.check import check_files
 from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
-from refine.ops.lower import rational, simplest_rational
+from refine.ops.lower import float_rational, rational, simplest_rational
 
 H = 4
 NS = (3, 6, 12, 36, 96, 7 * 3)
@@ -107,19 +107,20 @@ def test_a_non_finite_float_has_no_rational(v: float) -> None:
 
 def test_the_reading_rounds_back_and_keeps_distinct_floats_distinct() -> None:
     """float(rational(x)) == x for any float, so the numeric oracle runs the same constants
-    and two different floats are never one number; and no rational of smaller denominator
-    rounds to x (checked by brute force)."""
+    and two different floats are never one number; simplest_rational(x) has no rational of
+    smaller denominator rounding to x (checked by brute force)."""
     rng = random.Random(0)
     xs = [rng.uniform(-2, 2) for _ in range(300)] + [rng.randint(1, 999) / rng.randint(1, 999) for _ in range(300)]
     xs += [2.0 ** -e for e in range(1, 60)] + [math.nextafter(1 / 96, 1), math.nextafter(1 / 96, 0), 5e-324,
                                                1.7976931348623157e308]
     for x in xs:
+        assert float(float_rational(x)) == x, x
         q = simplest_rational(x)
         assert float(q) == x, x
         if q.denominator <= 1000:
             assert not any(float(Fraction(round(x * d), d)) == x for d in range(1, q.denominator)), x
     for a, b in zip(xs, xs[1:], strict=False):
-        assert (simplest_rational(a) == simplest_rational(b)) == (a == b)
+        assert (rational(a) == rational(b)) == (a == b)
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,3 +151,63 @@ def test_a_literal_that_is_not_the_number_does_not_refine(tmp_path: Path, seq_fo
     assert lit != 1 / n
     kw = {"seq_literal": lit} if side == "seq" else {"rank_literal": lit}
     assert not _check(tmp_path, seq_form, rank_form, n, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+# constants no simple rational rounds to: the binary reading's exactness under halving kept
+
+
+def _halved(tmp_path: Path, c: float, world: int) -> bool:
+    """y = x * c; each rank holds x whole and scales it by c / world (a float: exact, world a
+    power of two), then the ranks sum."""
+    s = GraphBuilder()
+    s.output("y", s.op("mul", s.input("x", [4, H]), c))
+    ranks = {}
+    for r in range(world):
+        d = GraphBuilder()
+        d.output("y", d.op("all_reduce", d.op("mul", d.input("x", [4, H]), c / world), reduce_op="sum",
+                           group=list(range(world))))
+        ranks[r] = d
+    write_case(tmp_path, seq_doc(s), dist_doc({"dp": world}, ranks, [{"from": "x", "placements": ["Replicate"]}],
+                                              [{"output": "y", "placements": ["Replicate"]}]))
+    return check_files(tmp_path / "seq.json", tmp_path / "dist.json").refines
+
+
+IRRATIONAL = (1 / math.sqrt(2), 1 / math.sqrt(128), math.pi, math.sqrt(2 / math.pi), math.e, 1e-30, 1e300)
+
+
+@pytest.mark.parametrize("c", IRRATIONAL)
+def test_the_reading_commutes_with_powers_of_two(c: float) -> None:
+    """Exactly as the binary reading does, but for an integral float, which is its integer
+    (c * 2^51 is one: such a scale of an irrational constant is the price)."""
+    checked = 0
+    for k in range(-60, 61):
+        x = c * 2.0 ** k
+        if math.isfinite(x) and not x.is_integer() and not c.is_integer():
+            assert rational(x) == rational(c) * Fraction(2) ** k, (c, k)
+            checked += 1
+    assert checked >= 40 or c.is_integer()
+
+
+@pytest.mark.parametrize("c", IRRATIONAL)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_literal_split_over_a_power_of_two_ranks_meets_it(tmp_path: Path, c: float, world: int) -> None:
+    """Irrational-like constants (an attention scale, gelu's sqrt(2/pi)) and ones whose
+    rational is longer than 64 bits (1e-30, 1e300: egglog reads those from strings)."""
+    assert _halved(tmp_path, c, world), c
+
+
+@pytest.mark.parametrize("c", [1e-5, 1e-30, 1e300, 1 / 3])
+def test_a_factor_of_any_size_is_proven(tmp_path: Path, c: float) -> None:
+    """x * c sharded by rows: the factor reaches the e-graph whatever its size (1e-5 as a
+    binary fraction has a 70-bit denominator; egglog's (bigint n) takes 64 bits)."""
+    s = GraphBuilder()
+    s.output("y", s.op("mul", s.input("x", [4, H]), c))
+    ranks = {}
+    for r in range(2):
+        d = GraphBuilder()
+        d.output("y", d.op("mul", d.input("x", [2, H]), c))
+        ranks[r] = d
+    write_case(tmp_path, seq_doc(s), dist_doc({"dp": 2}, ranks, [{"from": "x", "placements": ["Shard(0)"]}],
+                                              [{"output": "y", "placements": ["Shard(0)"]}]))
+    assert check_files(tmp_path / "seq.json", tmp_path / "dist.json").refines
