@@ -106,9 +106,11 @@ def _add(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
         if _constant(b, a) == 0:
             a = 0.0  # a zeros tensor (an accumulator's start) adds nothing either
         if not isinstance(a, str):
-            if float(a) * float(f) == 0.0:
+            # the literal times alpha as the reals they stand for, rounded once (an infinity as a float)
+            c = float(rational(a) * f) if math.isfinite(float(a)) else float(a) * float(f)
+            if c == 0.0:
                 continue  # adding zero is the identity
-            terms.append(b.const(float(a) * float(f), out.shape, out.dtype))
+            terms.append(b.const(c, out.shape, out.dtype))
         else:
             terms.append(b.scale(_operand(b, a, out.shape), f))
     if len(terms) <= 1:
@@ -140,15 +142,13 @@ def _finite(a: Arg) -> bool:
 
 def _constant(b: Builder, a: Arg) -> Arg:
     """A `full` constant operand as the rational it stands for (a traced seed gradient, the
-    1/M of a loss scale: a product with it lowers to a Scale like a literal's); other
-    operands as they are. A float constant that is the float nearest a small-denominator
-    rational is that rational (0.333.. from 1/3 is 1/3): refine reasons about real-valued
-    semantics, as for literals written 1/3 in a graph."""
+    1/M of a loss scale: a product with it lowers to a Scale like a literal's), read as
+    every constant is (`refine.ops.lower.rational`: 0.333.. is 1/3); other operands as
+    they are."""
     if isinstance(a, str):
         node = b.graph.index().get(a)
         if isinstance(node, Node) and node.op == "full" and math.isfinite(v := float(node.attrs["value"])):
-            r = Fraction(v).limit_denominator(10**6)
-            return r if float(r) == v else Fraction(v)
+            return rational(v)
     return a
 
 
@@ -159,14 +159,14 @@ def _mul(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
         # an infinite `full` operand (_constant)
         return _lower_elementwise("mul_t")(b, args, attrs, out)
     if not isinstance(x, str) and not isinstance(y, str):
-        return b.const(float(Fraction(x) * Fraction(y)), out.shape, out.dtype)
+        return b.const(float(rational(x) * rational(y)), out.shape, out.dtype)
     if (not isinstance(x, str) and x == 0) or (not isinstance(y, str) and y == 0):
         # zero times a (real) value: zeros, not a Scale by 0 (vLLM's `org_mask * start` on rank 0)
         return b.const(0.0, out.shape, out.dtype)
     if not isinstance(y, str) and isinstance(x, str):
-        return b.scale(_operand(b, x, out.shape), Fraction(y))
+        return b.scale(_operand(b, x, out.shape), rational(y))
     if not isinstance(x, str) and isinstance(y, str):
-        return b.scale(_operand(b, y, out.shape), Fraction(x))
+        return b.scale(_operand(b, y, out.shape), rational(x))
     return _lower_elementwise("mul_t")(b, args, attrs, out)
 
 
@@ -175,7 +175,7 @@ def _div(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) ->
     if not isinstance(y, str) and isinstance(x, str) and _finite(y):
         if float(y) == 0.0:
             raise ShapeError("division by the literal 0")
-        return b.scale(_operand(b, x, out.shape), 1 / Fraction(y))
+        return b.scale(_operand(b, x, out.shape), 1 / rational(y))
     return _lower_elementwise("div_t")(b, args, attrs, out)
 
 
@@ -222,7 +222,7 @@ def _dropout(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType
     # dropout with its mask as an explicit input: x * mask / (1 - p)
     x, mask = args
     kept = _lower_elementwise("mul_t")(b, [x, mask], {}, out)
-    return b.scale(kept, 1 / (1 - Fraction(attrs["p"]).limit_denominator(10**9)))
+    return b.scale(kept, 1 / (1 - rational(attrs["p"], "dropout p")))
 
 
 def _gelu(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:

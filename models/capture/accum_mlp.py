@@ -50,18 +50,18 @@ def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch
 
 
 def micro_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, micro_batches: int,
-               bug: str | None) -> torch.Tensor:
-    """One micro-batch's share of this rank's mean squared error."""
+               bug: str | None, batch: int = B) -> torch.Tensor:
+    """One micro-batch's share of this rank's mean squared error (`batch`: the global batch)."""
     if bug == "mean_over_global_batch":
-        return F.mse_loss(model(x), target, reduction="sum") / (B * H)  # the wrong count
+        return F.mse_loss(model(x), target, reduction="sum") / (batch * H)  # the wrong count
     return F.mse_loss(model(x), target) / micro_batches
 
 
 def accum_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, micro_batches: int,
-               bug: str | None = None) -> torch.Tensor:
+               bug: str | None = None, batch: int = B) -> torch.Tensor:
     reported = torch.zeros(())
     for xs, ts in zip(x.chunk(micro_batches), target.chunk(micro_batches), strict=True):
-        loss = micro_loss(model, xs, ts, micro_batches, bug)
+        loss = micro_loss(model, xs, ts, micro_batches, bug, batch)
         loss.backward()  # accumulates into .grad
         reported = reported + loss.detach()
     for p in model.parameters():
@@ -71,23 +71,27 @@ def accum_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, micro_ba
     return funcol.all_reduce(reported, "avg", dist.group.WORLD)
 
 
-def make_case(world_size: int = 2, micro_batches: int = 2, bug: str | None = None) -> capture.Spec:
+def make_case(world_size: int = 2, micro_batches: int = 2, bug: str | None = None,
+              batch: int = B) -> capture.Spec:
+    """The step at `batch` rows in all (the global batch), split over the ranks, then micro-batches."""
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
-    if B % (world_size * micro_batches):
-        raise ValueError(f"the batch of {B} does not split into {world_size} ranks x {micro_batches} micro-batches")
+    if batch % (world_size * micro_batches):
+        raise ValueError(f"the batch of {batch} does not split into {world_size} ranks x {micro_batches} micro-batches")
     torch.manual_seed(0)
     seq = MLP()
-    x, target = torch.randn(B, H), torch.randn(B, H)
-    b = B // world_size
+    x, target = torch.randn(batch, H), torch.randn(batch, H)
+    b = batch // world_size
 
     def rank(r: int) -> capture.Step:
         model = MLP()
         model.load_state_dict(seq.state_dict())
         shard = {"x": capture.shard(x[r * b:(r + 1) * b], 0), "target": capture.shard(target[r * b:(r + 1) * b], 0)}
-        return capture.Step(model, lambda m, **inputs: accum_step(m, **inputs, micro_batches=micro_batches, bug=bug),
+        return capture.Step(model, lambda m, **inputs: accum_step(m, **inputs, micro_batches=micro_batches, bug=bug,
+                                                                 batch=batch),
                             shard)
 
     return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "target": target}), rank=rank,
                         world_size=world_size, mesh={"dp": world_size},
-                        name=f"accum_mlp_m{micro_batches}{'_bug_' + bug if bug else ''}")
+                        name=f"accum_mlp{'' if batch == B else f'_b{batch}'}_m{micro_batches}"
+                             f"{'_bug_' + bug if bug else ''}")

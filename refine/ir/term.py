@@ -193,12 +193,18 @@ def lit(a: Any, sort: str, py: bool = False) -> str:
         return text if ("." in text or "e" in text) else text + ".0"
     if sort == "BigRat":
         f = Fraction(a)
-        return f"(bigrat (bigint {f.numerator}) (bigint {f.denominator}))"
+        return f"(bigrat {_bigint(f.numerator)} {_bigint(f.denominator)})"
     if sort == "bool":
         return "true" if a else "false"
     if sort == "String":
         return quote(str(a))
     raise ValueError(f"unknown sort {sort}")
+
+
+def _bigint(n: int) -> str:
+    """An egglog bigint: `(bigint n)` takes an i64, so a longer one (the denominator of a
+    factor like 1e-30) is read from its decimal string."""
+    return f"(bigint {n})" if -(2 ** 63) <= n < 2 ** 63 else f'(from-string "{n}")'
 
 
 def _dim_lit(d: Any, py: bool) -> str:

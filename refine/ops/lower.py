@@ -9,6 +9,7 @@ a bool a number (`cast_float_t`, rules/cast.py); one that narrows the value clas
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -111,11 +112,95 @@ class Builder:
         return ref if i == j else self.emit("transpose", [ref], {"dim0": i, "dim1": j})
 
 
-def rational(v: Any, what: str) -> Fraction:
-    """A number as the exact rational a `Scale` multiplies by: an infinity has none."""
-    if isinstance(v, float) and not math.isfinite(v):
+def rational(v: Any, what: str = "constant") -> Fraction:
+    """The exact rational a number in a program stands for: the one reading of constants
+    that every place a constant enters the prover uses (a `Scale` factor, a literal operand
+    of mul/div, an `alpha`, a `full` fill taken as a factor, a rational attribute).
+
+    Integers, `Fraction`s and strings ("1/3", "0.1": the number as written) are exact. A
+    float is read by `float_rational`, not as its binary fraction: 0.3333333333333333
+    stands for 1/3, 0.010416666666666666 (autograd's 2/192) for 1/96, 0.0625 for 1/16, 0.1
+    for 1/10, an integral float for its integer.
+
+    Why this is sound for refine's model: the programs run in floating point, the prover
+    reasons over the reals, and a float literal in either program is the rounding of the
+    real number its author meant, which refine cannot see. Reading a float as its binary
+    fraction is one guess at that number; it makes a 1/3 written as a float on one side
+    and a 1/3 made by a mean over 3 elements on the other two different reals, so equal
+    programs false-alarm (`models/capture/accum_mlp.py` at a batch of 12 in 3
+    micro-batches). The simplest rational rounding to the float is the guess that meets
+    such constants, and it keeps what matters: it rounds back to the same float (so the numeric oracle, which
+    runs the programs' own floats, runs exactly the constants the prover reasoned with),
+    and distinct floats are distinct rationals (each lies in its own float's rounding
+    interval), so two different literals never become one number (0.0104 is not 1/96).
+
+    What it cannot do: meet a constant whose float arithmetic rounded on the way
+    (0.1 / 3 computed in floats is not always the float nearest 1/30), one stored in a
+    narrower dtype than float64 (a float32 1/3 is 0.3333333432674408, whose simplest
+    rational is not 1/3), or a literal its author rounded by hand (0.0104 for 1/96).
+    An infinity or NaN has no rational: refused."""
+    if isinstance(v, bool):
+        return Fraction(int(v))
+    if isinstance(v, (int, Fraction, str)):
+        return Fraction(v)
+    v = float(v)
+    if not math.isfinite(v):
         raise ShapeError(f"{what} {v} is not a finite number: refine scales by exact rationals")
-    return Fraction(v)
+    return float_rational(v)
+
+
+@functools.lru_cache(maxsize=4096)
+def float_rational(x: float) -> Fraction:
+    """The rational a float stands for: x = m * 2^e with 1/2 <= |m| < 1 (exact), read as
+    `simplest_rational(m) * 2^e`; an integral float is its integer.
+
+    That is the simplest rational rounding to x whenever that one is a rational anyone
+    writes (odd parts of numerator and denominator under 2^25: 1/3, 2/96, 0.1, 13/1250),
+    and unlike the plain simplest rational it commutes with scaling by powers of two:
+    halving a float is exact, so a rank that halves a literal (1/sqrt(128) / 2) must meet
+    the sequential literal it halved, as the binary reading did (but for a scale that makes
+    the float integral: c * 2^52 of an irrational-like c is read as an integer). It rounds
+    back to x (the scaling is exact in the normal range; checked, else x's binary fraction)."""
+    exact = Fraction(x)
+    if exact.denominator == 1:
+        return exact
+    m, e = math.frexp(x)
+    r = simplest_rational(m) * Fraction(2) ** e
+    try:
+        return r if float(r) == x else exact
+    except OverflowError:
+        return exact
+
+
+@functools.lru_cache(maxsize=4096)
+def simplest_rational(x: float) -> Fraction:
+    """The rational of smallest denominator that rounds to the float `x` (`float(q) == x`).
+
+    The candidates are the continued-fraction semiconvergents of x's exact value, in order
+    of growing denominator: a rational of least denominator in x's rounding interval is a
+    best approximation of x, and every best approximation is a semiconvergent. Within one
+    level (p0 + k*p1)/(q0 + k*q1), k = 1..a, the semiconvergents approach x monotonically
+    from one side, so the least k that rounds to x is found by bisection. The last
+    convergent is x's binary fraction itself, so the search always ends."""
+    exact = Fraction(x)
+    if exact.denominator == 1:
+        return exact
+    sign, n, d = (-1 if exact < 0 else 1), abs(exact.numerator), exact.denominator
+    ax = abs(x)
+    p0, q0, p1, q1 = 0, 1, 1, 0  # the convergents before and at the current level
+    while True:
+        a = n // d
+        if float(Fraction(p0 + a * p1, q0 + a * q1)) == ax:
+            lo, hi = 1, a  # hi rounds to x; find the least k that does
+            while lo < hi:
+                k = (lo + hi) // 2
+                if float(Fraction(p0 + k * p1, q0 + k * q1)) == ax:
+                    hi = k
+                else:
+                    lo = k + 1
+            return sign * Fraction(p0 + hi * p1, q0 + hi * q1)
+        p0, q0, p1, q1 = p1, q1, p0 + a * p1, q0 + a * q1
+        n, d = d, n - a * d
 
 
 def held(value: Any, dtype: str) -> Any:
@@ -167,7 +252,7 @@ def normalize_attrs(op: Op, attrs: dict[str, Any], ins: list[TensorType]) -> dic
         elif kind in ("ints", "shape") and v is not None:
             out[name] = tuple(x if isinstance(x, Sym) else int(x) for x in v)
         elif kind == "rational":
-            out[name] = Fraction(v)
+            out[name] = rational(v, name)
     return out
 
 

@@ -50,6 +50,7 @@ from refine.ops.interp import (
     random_inputs,
     valuation,
 )
+from refine.ops.lower import rational
 from refine.ops.registry import Registry
 from refine.verdict.expect import expected_terms
 
@@ -68,6 +69,8 @@ class WrongFactor:
 
 
 def _rational(v: float) -> Fraction:
+    """A measured ratio (computed from values, so off by rounding) as the nearby simple
+    rational; a literal is read exactly as the prover reads it (`rational`)."""
     r = Fraction(v).limit_denominator(10**6)
     return r if math.isclose(float(r), v, rel_tol=1e-9, abs_tol=0.0) else Fraction(v)
 
@@ -90,16 +93,18 @@ def _literal_factor(n: Node) -> tuple[Fraction, int] | None:
     nums = [(i, a) for i, a in enumerate(n.args) if not isinstance(a, str)]
     if n.op == "full":
         v = float(n.attrs.get("value", 0.0))
-        return (_rational(v), -1) if v != 0.0 and math.isfinite(v) else None
+        return (rational(v), -1) if v != 0.0 and math.isfinite(v) else None
     if len(nums) != 1 or len(n.tensor_args()) != 1 or isinstance(nums[0][1], bool):
         return None
     i, k = nums[0]
     if not math.isfinite(float(k)) or float(k) == 0.0:
         return None
+    # the literal as the prover reads it (refine.ops.lower.rational), so an edit's constant
+    # is the number the proof was about
     if n.op == "mul":
-        return _rational(float(k)), i
+        return rational(k), i
     if n.op == "div" and i == 1:
-        return 1 / _rational(float(k)), i
+        return 1 / rational(k), i
     return None
 
 

@@ -204,11 +204,15 @@ def test_mask_rules_sound_and_fire(symbolic: bool) -> None:
         assert res.fired and not res.failures, res
 
 
-@pytest.mark.parametrize("factor,fires", [(Fraction(0.003125), True), (Fraction(-0.9), True),
-                                          (Fraction(1, 3), False), (Fraction(2 ** 60 + 1, 2 ** 60), False)])
-def test_a_factor_becomes_a_float_constant_only_when_exact(factor: Fraction, fires: bool) -> None:
-    """scale-full-one: r * full(1.0) is full(r) only when r is a float64 exactly (the
-    harness compares within a tolerance, so it cannot tell 1/3 from its rounding)."""
+@pytest.mark.parametrize("factor,fires", [(Fraction(1, 320), True), (Fraction(-9, 10), True), (Fraction(1, 3), True),
+                                          (Fraction(1, 96), True), (Fraction(3, 2 ** 70), True),
+                                          (Fraction(0.003125), False), (Fraction(0.1), False),
+                                          (Fraction(2 ** 60 + 1, 2 ** 60), False)])
+def test_a_factor_becomes_a_float_constant_only_when_it_is_the_floats_reading(factor: Fraction, fires: bool) -> None:
+    """scale-full-one: r * full(1.0) is full(float(r)) only when r is the rational that float
+    stands for (refine.ops.lower.float_rational: 0.003125 is 1/320, not its binary
+    fraction). The harness compares within a tolerance, so it cannot
+    tell a binary fraction from the simple rational next to it: this test does."""
     eng = Engine(load_registry())
     r = f'(bigrat (from-string "{factor.numerator}") (from-string "{factor.denominator}"))'
     eng._run("(push)")

@@ -87,7 +87,7 @@ def test_accumulation_with_four_micro_batches_refines() -> None:
     # culprit is the micro-batch loss's division by the wrong count (its forward division
     # and autograd's 1/(B*H) seed of it, on every rank and micro-batch, edited together)
     ("mean_over_global_batch", {"loss"} | DP_GRADS,
-     'return F.mse_loss(model(x), target, reduction="sum") / (B * H)', "loss"),
+     'return F.mse_loss(model(x), target, reduction="sum") / (batch * H)', "loss"),
 ])
 def test_accumulation_twins(bug: str, wrong: set[str], snippet: str, output: str) -> None:
     case = captured(ACCUM, world_size=2, micro_batches=2, bug=bug)
@@ -102,6 +102,41 @@ def test_accumulation_twins(bug: str, wrong: set[str], snippet: str, output: str
     assert report.culprit.output == output, report
     (out,) = [o for o in report.outputs if o.name == output]
     assert out.relation == f"2 * {output}@0"  # the sequential value is twice the ranks'
+
+
+@pytest.fixture(scope="module")
+def accum_12x3_case() -> capture.Case:
+    return captured(ACCUM, world_size=2, micro_batches=3, batch=12)
+
+
+@pytest.mark.slow
+def test_accumulation_of_a_batch_of_twelve_in_three_micro_batches_refines(accum_12x3_case: capture.Case) -> None:
+    """Means over 12 * 16 and 2 * 16 elements, 1/3 a float the trace holds: the sequential
+    gradient scales by the float 2/192, the ranks by the float 2/32, then by full(1/3) and
+    the AVG's 1/2. Each float stands for the rational it rounds (refine.ops.lower.rational),
+    so the products meet (as binary fractions they did not, and the check false-alarmed)."""
+    assert wrong_numerically(accum_12x3_case) == set()
+    report = accum_12x3_case.check()
+    assert report.refines, report
+    assert {o.name for o in report.outputs} == {"loss"} | DP_GRADS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug,wrong,snippet", [
+    ("loss_divided_twice", DP_GRADS, "p.grad.div_(micro_batches)"),
+    ("mean_over_global_batch", {"loss"} | DP_GRADS, 'return F.mse_loss(model(x), target, reduction="sum") / (batch * H)'),
+])
+def test_accumulation_twins_of_a_batch_of_twelve_in_three_micro_batches(bug: str, wrong: set[str],
+                                                                         snippet: str) -> None:
+    """The same constants made wrong by a real bug stay wrong, at the bug's line."""
+    case = captured(ACCUM, world_size=2, micro_batches=3, batch=12, bug=bug)
+    assert wrong_numerically(case) == wrong
+    report = case.check()
+    assert not report.refines
+    assert failing(report) == wrong
+    assert report.culprit is not None, report
+    assert report.culprit.source == line_of(MODELS / "accum_mlp.py", snippet), report
+    assert report.culprit.rank_source == report.culprit.source, report
 
 
 # ---------------------------------------------------------------------------------------
