@@ -1,0 +1,634 @@
+"""Shape reduction: the same programs at small sizes, for a counterexample search on programs
+too large to evaluate (TrainVerify reduces shapes the same way before it runs a solver).
+
+A concrete case names its sizes as plain integers: a hidden size 1536, a sequence 1024, a
+vocabulary 98304 and what the program derives from them (1536/2 on a rank, 3*1536 for
+fused QKV, 32*1024 rows after a view). `reduce_sizes` reads every size the two programs
+hold (tensor shapes, size-valued attributes, the bounds in relations and defines), writes
+each as a small rational constant times a product of powers of a few *bases* (with base 32:
+48 = 3/2*32, 1024 = 32^2, 98304 = 3*32^3), maps each base to a small value and rewrites every
+size through the same map. Products, quotients and sums of sizes that are one base's powers
+scale together, so what the programs rely on (a view's products, a concat's sums, a shard
+over the ranks dividing its dim, a slice's bounds within its dim) holds at the small sizes
+too, and the checks below make sure: the rewritten graphs go through the loader's shape
+inference again (each op's shape rule must accept the new attributes and give the rewritten
+shape; relations, layouts, expectations, defines and collectives must type-check). Any
+failure and there is no reduction (None; `why_not` says why).
+
+Soundness: a reduction is used by the counterexample search only (a REFINES is a proof
+over the given sizes and never sees it). A counterexample at reduced sizes shows the program
+family wrong, the evidence the issue asks for. A reduction that changed meaning would show
+as a counterexample on a correct program, so what could change meaning is refused:
+- a number in the programs that looks derived from a size the reduction changes (the size,
+  its reciprocal, its square root or that's reciprocal: a mean's 1/n, attention's
+  1/sqrt(d)) is kept only when both sides hold it as a literal (both then compute with the
+  same number at any size); one side deriving it from a shape (a mean op) and the other
+  holding it would disagree after the reduction. An integer literal on integer tensors
+  equal to a reduced size (a vocabulary shard's offset, `ids >= 49152`) is index
+  arithmetic over that size and is rewritten with it;
+- a size that was above 1 stays above 1 (a dim of 1 broadcasts), and every attribute that
+  holds a size is known by its kind (`refine.ops.registry.ATTR_SORTS`: size, shape, and the
+  `ints` lists named in `_NOT_SIZES` as dims or ranks are not), so nothing is guessed.
+The tests check that correct programs reduced still agree numerically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from fractions import Fraction
+from typing import Any
+
+from refine.ir.graph import Dist, Graph, Placement, TensorType, value_class
+from refine.ir.term import LEAF_OPS, Term
+from refine.ops.lower import normalize_attrs
+from refine.ops.registry import Registry
+
+# `ints` attributes that hold dims or ranks, not sizes (by name; every other `ints`
+# attribute, a view's shape, a norm's normalized_shape, a repeat's counts, holds sizes)
+_NOT_SIZES = ("group",)
+_NOT_SIZE_SUFFIXES = ("dims", "_map")
+# `int` attributes that hold sizes (slice_scatter's bounds); other `int` attributes are
+# dims, ranks, steps or flags
+_INT_SIZES = ("start", "end")
+
+# A size is written c * prod(base_i ** e_i) with c = p/q, p and q at most this, e_i at most
+# MAX_EXP; the representation of least p + q is taken.
+MAX_TERM = 64
+MAX_EXP = 6
+MAX_BASES = 3
+# reduced base values tried, smallest first
+BASE_VALUES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# first bases tried (best first): a rejected reduction is retried with the next
+FIRST_BASES = 3
+# bases are taken among sizes at least this large (smaller ones stay what they are unless
+# some base writes them more simply)
+MIN_BASE = 8
+# a literal matches a size when they agree to this relative precision
+LITERAL_RTOL = 1e-9
+
+
+Sizes = dict[int, int]
+
+
+def reduce_sizes(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple[Graph, Dist, Sizes] | None:
+    """The programs with their large sizes mapped to small ones consistently, and the map
+    (original size -> reduced); None when no consistent reduction within `budget`
+    elements (`refine.ops.interp.eval_elements`) is found."""
+    got = try_reduce(seq, dist, registry, budget)
+    return None if isinstance(got, str) else got
+
+
+def try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple[Graph, Dist, Sizes] | str:
+    """As `reduce_sizes`, or why there is none."""
+    from refine.ops.interp import eval_elements
+
+    if seq.symbols or any(g.symbols for g in dist.ranks.values()):
+        return "symbolic sizes (instantiated instead)"
+    try:
+        values = sorted(collect_sizes(seq, dist, registry))
+    except _Refused as e:
+        return str(e)
+    why = "no size to reduce"
+    for mapping in candidate_maps(values, read_relations(seq, dist, registry)):
+        try:
+            s, d = rewrite(seq, dist, registry, mapping)
+        except _Refused as e:
+            why = str(e)
+            continue
+        problem = validate(s, d, registry)
+        if problem is not None:
+            why = f"the reduced programs do not type-check: {problem}"
+            continue
+        if eval_elements(s, d) > budget:
+            why = f"reduced to {eval_elements(s, d):.3g} elements, above the budget of {budget:.3g}"
+            continue
+        return s, d, {k: v for k, v in mapping.items() if k != v}
+    return why
+
+
+def apply(seq: Graph, dist: Dist, registry: Registry, mapping: Sizes) -> tuple[Graph, Dist]:
+    """The programs rewritten by a map `reduce_sizes` returned (sizes it does not name stay)."""
+    sizes = collect_sizes(seq, dist, registry)
+    return rewrite(seq, dist, registry, {v: mapping.get(v, v) for v in sizes})
+
+
+class _Refused(ValueError):
+    """A program the reduction must not rewrite."""
+
+
+# ---------------------------------------------------------------------------------------
+# Where sizes are
+
+
+def _size_attr(name: str, kind: str) -> str | None:
+    """How an attribute holds sizes: "one", "list", or None."""
+    kind = kind.rstrip("?")
+    if kind == "size" or (kind == "int" and name in _INT_SIZES):
+        return "one"
+    if kind == "shape" or (kind == "ints" and name not in _NOT_SIZES and not name.endswith(_NOT_SIZE_SUFFIXES)):
+        return "list"
+    return None
+
+
+def _map_attrs(attrs: dict[str, Any], kinds: Iterable[tuple[str, str]], f: Callable[[int], int]) -> dict[str, Any]:
+    out = dict(attrs)
+    for name, kind in kinds:
+        how, v = _size_attr(name, kind), attrs.get(name)
+        if how is None or v is None:
+            continue
+        if how == "one":
+            out[name] = _map_int(v, f)
+        else:
+            out[name] = [_map_int(x, f) for x in v]
+    return out
+
+
+def _map_int(v: Any, f: Callable[[int], int]) -> Any:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _Refused(f"a size attribute holds {v!r}, no integer")
+    return v if v < 0 else f(v)  # -1: inferred by a view
+
+
+def _map_term(t: Term, registry: Registry, f: Callable[[int], int]) -> Term:
+    if t.op in LEAF_OPS:
+        return t
+    args = tuple(_map_term(a, registry, f) for a in t.args)
+    op = registry.ops.get(t.op)
+    if op is None:
+        if t.attrs:
+            raise _Refused(f"a relation term's {t.op} has attributes the reduction cannot read")
+        return Term(t.op, args, t.attrs)
+    attrs = []
+    for (name, kind), v in zip(op.attrs, t.attrs, strict=False):
+        how = _size_attr(name, kind)
+        if how == "one":
+            v = _map_int(v, f)
+        elif how == "list":
+            v = type(v)(_map_int(x, f) for x in v)
+        attrs.append(v)
+    return Term(t.op, args, (*attrs, *t.attrs[len(attrs):]))
+
+
+def _graphs(seq: Graph, dist: Dist) -> list[tuple[str, Graph]]:
+    return [("seq", seq), *((f"rank {r}", g) for r, g in sorted(dist.ranks.items()))]
+
+
+def _terms(dist: Dist) -> list[Term]:
+    out: list[Term] = []
+    for rel in dist.relations:
+        if rel.layout is not None:
+            out += [rel.layout, *rel.replicas]
+    for ex in dist.expectations:
+        out += list(ex.layout or ())
+    out += [d.term for d in dist.defines]
+    return out
+
+
+def collect_sizes(seq: Graph, dist: Dist, registry: Registry) -> set[int]:
+    """Every size the programs hold: shapes, size attributes, sizes in relation terms."""
+    out: set[int] = set()
+    seen: list[int] = []
+    for _, g in _graphs(seq, dist):
+        for x in (*g.inputs, *g.nodes):
+            out.update(x.type.shape)
+        for n in g.nodes:
+            _map_attrs(n.attrs, registry.ops[n.op].attrs, lambda v: seen.append(v) or v)
+    for t in _terms(dist):
+        _map_term(t, registry, lambda v: seen.append(v) or v)
+    out.update(seen)
+    if any(not isinstance(v, int) for v in out):
+        raise _Refused("a size is not an integer")
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# What the programs rely on. A size is written c * prod(base_j ** k_j); the reduced size is
+# c * prod(small_j ** k_j). A product the programs rely on (a view merging dims) stays a
+# product when the exponents add up across it; a sum (a concat, a slice from an offset) and
+# a shard (a dim over the ranks: mesh sizes are never reduced) stay so when their terms have
+# the same exponents. The relations are read from the programs' structure, not from op names:
+# any node of one tensor argument that keeps its element count and does not just permute its
+# dims (a view) relates the runs of dims whose products match; a collective, a relation's or expectation's
+# shard relates a dim to its piece; a node whose output dim is the sum of its tensor
+# arguments' (a concat), or a start/end pair, makes a sum.
+
+
+Relations = tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[frozenset[int]]]
+
+
+def read_relations(seq: Graph, dist: Dist, registry: Registry) -> Relations:
+    """(products: (lhs, rhs) with prod(lhs) == prod(rhs), each a group to keep; sets of sizes
+    that must share their exponents)."""
+    prods: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+    same: set[frozenset[int]] = set()
+
+    def pair(a: int, b: int) -> None:
+        if a != b and a > 1 and b > 1:
+            same.add(frozenset((a, b)))
+
+    for _, g in _graphs(seq, dist):
+        types = {x.name: x.type for x in (*g.inputs, *g.nodes)}
+        for n in g.nodes:
+            op = registry.ops[n.op]
+            ins = [types[a].shape for a in n.tensor_args()]
+            out = n.type.shape
+            if op.kind == "collective":
+                for x in ins[:1]:
+                    for a, b in zip(x, out, strict=False):
+                        pair(a, b)
+                continue
+            if len(ins) == 1 and math.prod(ins[0]) == math.prod(out) and sorted(ins[0]) != sorted(out):
+                prods.update(_groups(ins[0], out))  # (dims permuted, a transpose: no product to keep)
+            if len(ins) >= 2 and all(len(x) == len(out) for x in ins):
+                for i, o in enumerate(out):
+                    parts = [x[i] for x in ins]
+                    if sum(parts) == o and len(set(parts + [o])) > 1:
+                        same.add(frozenset(v for v in (*parts, o) if v > 1))
+            start, end = n.attrs.get("start"), n.attrs.get("end")
+            kinds = op.attr_kinds()
+            if isinstance(start, int) and isinstance(end, int) and start > 0 and \
+                    _size_attr("start", kinds.get("start", "")) and _size_attr("end", kinds.get("end", "")):
+                same.add(frozenset(v for v in (start, end, end - start) if v > 1))
+    seq_types = {i.name: i.type for i in seq.inputs}
+    outs = {o.name: o.ref for o in seq.outputs}
+    shards = [(seq_types[r.source].shape, r.local or r.source, r.placements, False) for r in dist.relations
+              if r.placements]
+    shards += [(seq.type_of(outs[e.output]).shape, e.local or e.output, e.placements, True) for e in dist.expectations
+               if e.placements]
+    for whole, local, _, output in shards:
+        for g in dist.ranks.values():
+            ref = {o.name: o.ref for o in g.outputs}.get(local, local) if output else local
+            if ref in g.index():
+                for a, b in zip(whole, g.type_of(ref).shape, strict=False):
+                    pair(a, b)
+    return sorted(prods), sorted(same, key=sorted)
+
+
+def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The smallest runs of dims of a and b with equal products (dims of 1 left out), where
+    a run is more than one dim on either side."""
+    xs, ys = [d for d in a if d != 1], [d for d in b if d != 1]
+    out = []
+    i = j = 0
+    while i < len(xs) and j < len(ys):
+        gi, gj = [xs[i]], [ys[j]]
+        i, j = i + 1, j + 1
+        while math.prod(gi) != math.prod(gj):
+            if math.prod(gi) < math.prod(gj) and i < len(xs):
+                gi.append(xs[i])
+                i += 1
+            elif j < len(ys):
+                gj.append(ys[j])
+                j += 1
+            else:
+                return out
+        if len(gi) > 1 or len(gj) > 1:
+            out.append((tuple(sorted(gi)), tuple(sorted(gj))))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Bases, exponents and the map
+
+
+Rep = tuple[Fraction, tuple[int, ...]]
+
+
+def _options(v: int, bases: tuple[int, ...]) -> list[Rep]:
+    """Every way to write v as c * prod(b ** e) with c small, simplest first."""
+    out = []
+    for exps in itertools.product(range(MAX_EXP + 1), repeat=len(bases)):
+        c = Fraction(v, math.prod(b ** e for b, e in zip(bases, exps, strict=True)))
+        if c.numerator <= MAX_TERM and c.denominator <= MAX_TERM:
+            out.append((c, exps))
+    return sorted(out, key=lambda r: (r[0].numerator + r[0].denominator, -sum(r[1])))
+
+
+def _represent(v: int, bases: tuple[int, ...]) -> Rep | None:
+    """v written the simplest way (least numerator + denominator of c), or None."""
+    opts = _options(v, bases)
+    return opts[0] if opts else None
+
+
+def _cost(values: list[int], bases: tuple[int, ...]) -> int:
+    total = 0
+    for v in values:
+        r = _represent(v, bases)
+        total += 10_000 if r is None else r[0].numerator + r[0].denominator
+    return total
+
+
+def choose_bases(values: list[int], first: int | None = None) -> tuple[int, ...] | None:
+    """Bases that write every size (greedy: each next base the one that leaves the least
+    cost); `first` fixes the first. None when MAX_BASES do not suffice."""
+    big = [v for v in values if v >= MIN_BASE]
+    bases: tuple[int, ...] = () if first is None else (first,)
+    while True:
+        left = [v for v in values if _represent(v, bases) is None]
+        if not left:
+            return bases
+        if len(bases) == MAX_BASES:
+            return None
+        pool = [v for v in left if v >= MIN_BASE] or big
+        if not pool:
+            return None
+        bases = min(((*bases, b) for b in pool), key=lambda bs: (_cost(values, bs), bs))
+
+
+def solve_exponents(values: list[int], bases: tuple[int, ...], rels: Relations) -> dict[int, Rep] | None:
+    """For each size a way to write it over the bases such that every relation keeps (the
+    simplest such, by the total of numerators and denominators: Z3's optimizer), or None."""
+    import z3
+
+    prods, same = rels
+    opt = z3.Optimize()
+    opt.set("timeout", 10_000)
+    ks: dict[int, list[Any]] = {}
+    choice: dict[int, tuple[Any, list[Rep]]] = {}
+    cost = []
+    for v in values:
+        if v <= 1:
+            continue
+        opts = _options(v, bases)
+        if not opts:
+            return None
+        ks[v] = [z3.Int(f"k_{v}_{j}") for j in range(len(bases))]
+        pick = z3.Int(f"pick_{v}")
+        opt.add(pick >= 0, pick < len(opts))
+        for i, (_, exps) in enumerate(opts):
+            opt.add(z3.Implies(pick == i, z3.And(*(k == e for k, e in zip(ks[v], exps, strict=True)))))
+        cost.append(z3.If(z3.Or(*(pick == i for i in range(len(opts)))),
+                          z3.Sum(*(z3.If(pick == i, c.numerator + c.denominator, 0) for i, (c, _) in enumerate(opts))),
+                          0))
+        choice[v] = (pick, opts)
+
+    def k(v: int, j: int) -> Any:
+        return ks[v][j] if v in ks else 0
+
+    for lhs, rhs in prods:
+        for j in range(len(bases)):
+            opt.add(z3.Sum(0, *(k(v, j) for v in lhs)) == z3.Sum(0, *(k(v, j) for v in rhs)))
+    for group in same:
+        first, *rest = sorted(group)
+        for v in rest:
+            for j in range(len(bases)):
+                opt.add(k(first, j) == k(v, j))
+    opt.minimize(z3.Sum(0, *cost))
+    if opt.check() != z3.sat:
+        return None
+    model = opt.model()
+    out: dict[int, Rep] = {v: (Fraction(v), (0,) * len(bases)) for v in values if v <= 1}
+    for v, (pick, opts) in choice.items():
+        out[v] = opts[model.eval(pick, model_completion=True).as_long()]
+    return out
+
+
+def candidate_maps(values: list[int], rels: Relations = ([], [])) -> Iterable[Sizes]:
+    """Maps size -> reduced size to try, most promising first: for each choice of bases
+    whose exponents keep the relations, the smallest base values that keep every size a
+    positive integer, above 1 where it was, and no larger than it was."""
+    big = sorted({v for v in values if v >= MIN_BASE}, key=lambda b: (_cost(values, (b,)), b))
+    tried: set[tuple[int, ...]] = set()
+    for first in big[:FIRST_BASES]:
+        bases = choose_bases(values, first)
+        if bases is None or bases in tried:
+            continue
+        tried.add(bases)
+        reps = solve_exponents(values, bases, rels)
+        if reps is None:
+            continue
+        combos = sorted(itertools.product(BASE_VALUES, repeat=len(bases)), key=lambda bs: (math.prod(bs), bs))
+        made = 0
+        for small in combos:
+            if any(s >= b for s, b in zip(small, bases, strict=True)):
+                continue
+            mapping = _map_with(reps, small)
+            if mapping is not None:
+                yield mapping
+                made += 1
+                if made == 2:  # the smallest, and one larger in case the smallest degenerates
+                    break
+
+
+def _map_with(reps: dict[int, Rep], small: tuple[int, ...]) -> Sizes | None:
+    out: Sizes = {}
+    for v, (c, exps) in reps.items():
+        x = c * math.prod(s ** e for s, e in zip(small, exps, strict=True))
+        if x.denominator != 1 or x > v or (v > 1 and x < 2) or (v in (0, 1) and x != v):
+            return None
+        out[v] = int(x)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Rewriting
+
+
+def _numbers(n: Any, registry: Registry) -> list[tuple[str, Any]]:
+    """The number literals of a node: ("arg", x) and (attribute name, x) for float ones."""
+    out: list[tuple[str, Any]] = [("arg", a) for a in n.args if not isinstance(a, str) and not isinstance(a, bool)]
+    for name, kind in registry.ops[n.op].attrs:
+        if kind.rstrip("?") in ("float", "rational") and n.attrs.get(name) is not None:
+            out.append((name, n.attrs[name]))
+    return out
+
+
+def _derived_from(x: Any, changed: set[int]) -> int | None:
+    """The changed size a literal looks derived from (n, 1/n, sqrt(n), 1/sqrt(n)), or None."""
+    try:
+        a = abs(float(Fraction(x)))
+    except (ValueError, TypeError, OverflowError, ZeroDivisionError):
+        return None
+    if a == 0 or not math.isfinite(a):
+        return None
+    for y in (a, 1 / a, a * a, 1 / (a * a)):
+        n = round(y)
+        if n in changed and abs(y - n) <= LITERAL_RTOL * n:
+            return n
+    return None
+
+
+def rewrite(seq: Graph, dist: Dist, registry: Registry, mapping: Sizes) -> tuple[Graph, Dist]:
+    """Both sides with every size v replaced by mapping[v] (raises _Refused where a number
+    looks derived from a changed size and only one side holds it)."""
+    changed = {v for v, w in mapping.items() if v != w}
+
+    def f(v: int) -> int:
+        return mapping[v]
+
+    def typ(t: TensorType) -> TensorType:
+        return TensorType(tuple(mapping[d] for d in t.shape), t.dtype)
+
+    def _index_literal(x: int) -> int | None:
+        """An integer on integer tensors is index arithmetic: a changed size, or a multiple
+        of one (the offset of rank r's vocabulary shard, r * V/n), is rewritten with it."""
+        if x in changed:
+            return mapping[x]
+        v = max((v for v in changed if x % v == 0 and x // v <= MAX_TERM), default=None)
+        return None if v is None else x // v * mapping[v]
+
+    held: dict[str, set[Any]] = {}  # literal -> the sides holding it ("seq", "rank")
+    where: dict[Any, str] = {}
+
+    def graph(side: str, g: Graph) -> Graph:
+        types = {x.name: x.type for x in (*g.inputs, *g.nodes)}
+        nodes = []
+        for n in g.nodes:
+            ints = value_class(n.type.dtype) == "int" or any(value_class(types[a].dtype) == "int"
+                                                              for a in n.tensor_args())
+            args = list(n.args)
+            for i, a in enumerate(args):
+                if ints and isinstance(a, int) and not isinstance(a, bool) and (m := _index_literal(abs(a))):
+                    args[i] = m * (1 if a > 0 else -1)
+            kept = [a for a, b in zip(n.args, args, strict=True) if a is b]
+            for name, x in _numbers(replace(n, args=kept), registry):
+                if _derived_from(x, changed) is not None:
+                    held.setdefault(repr(float(Fraction(x))), set()).add(side)
+                    where.setdefault(repr(float(Fraction(x))), f"{n.name} ({n.op}) {name}={x}")
+            nodes.append(replace(n, args=args, attrs=_map_attrs(n.attrs, registry.ops[n.op].attrs, f), type=typ(n.type)))
+        return Graph([replace(i, type=typ(i.type)) for i in g.inputs], nodes, list(g.outputs), g.name, {})
+
+    s = graph("seq", seq)
+    ranks = {r: graph("rank", g) for r, g in dist.ranks.items()}
+    for x, sides in held.items():
+        if sides != {"seq", "rank"}:
+            one = "the sequential program" if sides == {"seq"} else "the rank programs"
+            raise _Refused(f"the number {where[x]} looks derived from a size the reduction changes "
+                           f"(size {_derived_from(float(x), changed)}) and only {one} hold it")
+    for t in _terms(dist):
+        _scales_ok(t, changed)
+
+    def term(t: Term) -> Term:
+        return _map_term(t, registry, f)
+
+    rels = [replace(r, layout=term(r.layout), replicas=tuple(map(term, r.replicas))) if r.layout is not None else r
+            for r in dist.relations]
+    exps = [replace(e, layout=tuple(map(term, e.layout))) if e.layout is not None else e for e in dist.expectations]
+    defs = [replace(d, term=term(d.term)) for d in dist.defines]
+    return s, Dist(dist.mesh, ranks, rels, exps, defs)
+
+
+def _scales_ok(t: Term, changed: set[int]) -> None:
+    """A relation term's numbers (scales, fills) must not look derived from a changed size."""
+    if t.op in LEAF_OPS:
+        return
+    for a in t.attrs:
+        if isinstance(a, (float, Fraction)) and _derived_from(a, changed) is not None:
+            raise _Refused(f"a relation term's {t.op} holds {a}, which looks derived from a size the reduction changes")
+    for a in t.args:
+        _scales_ok(a, changed)
+
+
+# ---------------------------------------------------------------------------------------
+# Validation: the loader's checks, on the rewritten programs
+
+
+def validate(seq: Graph, dist: Dist, registry: Registry) -> str | None:
+    """Why the programs do not type-check (the loader's shape inference, placements,
+    layouts, expectations, collectives and defines), or None."""
+    from refine.frontends import graphfile
+    from refine.ir.errors import InputError
+
+    for side, g in _graphs(seq, dist):
+        problem = _graph_problem(g, registry)
+        if problem is not None:
+            return f"{side}: {problem}"
+    c = graphfile._Ctx("reduced")
+    try:
+        graphfile._check_collectives(c, dist.ranks, {r: f"rank {r}" for r in dist.ranks}, registry)
+    except InputError as e:
+        return str(e)
+    seq_types = {i.name: i.type for i in seq.inputs}
+    for rel in dist.relations:
+        want = seq_types[rel.source].shape
+        if rel.layout is not None:
+            for t in (rel.layout, *rel.replicas):
+                problem = _term_problem(t, lambda leaf: _rank_type(dist, leaf, outputs=False), registry, want)
+                if problem:
+                    return f"the layout of {rel.source!r}: {problem}"
+            continue
+        local, pl = rel.local or rel.source, rel.placements or ()
+        problem = _placed_problem(dist, pl, lambda r, local=local: dist.ranks[r].type_of(local).shape, want)
+        if problem:
+            return f"the relation of {rel.source!r}: {problem}"
+    outs = {o.name: o.ref for o in seq.outputs}
+    for ex in dist.expectations:
+        want = seq.type_of(outs[ex.output]).shape
+        if ex.layout is not None:
+            for t in ex.layout:
+                problem = _term_problem(t, lambda leaf: _rank_type(dist, leaf, outputs=True), registry, want)
+                if problem:
+                    return f"the expectation of {ex.output!r}: {problem}"
+            continue
+        local = ex.local or ex.output
+        refs = {r: {o.name: o.ref for o in g.outputs}[local] for r, g in dist.ranks.items()}
+        pl = ex.placements or tuple(Placement("replicate") for _ in dist.mesh.axes)
+        problem = _placed_problem(dist, pl, lambda r, refs=refs: dist.ranks[r].type_of(refs[r]).shape, want)
+        if problem:
+            return f"the expectation of {ex.output!r}: {problem}"
+    for d in dist.defines:
+        want = dist.ranks[d.rank].type_of(d.input).shape
+        problem = _term_problem(d.term, lambda leaf: seq_types[leaf], registry, want)
+        if problem:
+            return f"the define of {d.input}@{d.rank}: {problem}"
+    if dist.defines:
+        from refine.ops.interp import define_conflict
+
+        bad = define_conflict(seq, dist, registry)
+        if bad is not None:
+            return f"the define of {bad[0].input}@{bad[0].rank} contradicts the relations: {bad[1]}"
+    return None
+
+
+def _graph_problem(g: Graph, registry: Registry) -> str | None:
+    types: dict[str, TensorType] = {i.name: i.type for i in g.inputs}
+    for n in g.nodes:
+        op = registry.ops[n.op]
+        ins = [types[a] for a in n.tensor_args()]
+        try:
+            got = op.shape(ins, normalize_attrs(op, n.attrs, ins))
+        except Exception as e:  # noqa: BLE001 - any refusal of the shape rule is a failed reduction
+            return f"node {n.name!r} ({n.op}): {type(e).__name__}: {e}"
+        if tuple(got.shape) != tuple(n.type.shape):
+            return f"node {n.name!r} ({n.op}) gives {list(got.shape)}, not {list(n.type.shape)}"
+        types[n.name] = n.type
+    return None
+
+
+def _rank_type(dist: Dist, leaf: str, outputs: bool) -> TensorType:
+    name, _, r = leaf.rpartition("@")
+    g = dist.ranks[int(r)]
+    if outputs:
+        name = {o.name: o.ref for o in g.outputs}[name]
+    return g.type_of(name)
+
+
+def _term_problem(t: Term, leaf_type: Callable[[str], TensorType], registry: Registry,
+                  want: tuple[Any, ...]) -> str | None:
+    def shape(x: Term) -> TensorType:
+        if x.op in LEAF_OPS:
+            return leaf_type(x.attrs[0])
+        op = registry.ops[x.op]
+        ins = [shape(a) for a in x.args]
+        return op.shape(ins, {k: v for (k, _), v in zip(op.attrs, x.attrs, strict=False)})
+
+    try:
+        got = shape(t)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None if tuple(got.shape) == tuple(want) else f"makes {list(got.shape)}, not {list(want)}"
+
+
+def _placed_problem(dist: Dist, placements: tuple[Placement, ...], shape_of: Callable[[int], tuple[Any, ...]],
+                    want: tuple[Any, ...]) -> str | None:
+    from refine.frontends import graphfile
+    from refine.ir.errors import InputError
+
+    try:
+        got = graphfile._placed_shape(graphfile._Ctx("reduced"), dist.mesh, placements, shape_of, "", "pieces")
+    except InputError as e:
+        return str(e)
+    return None if tuple(got) == tuple(want) else f"the pieces make {list(got)}, not {list(want)}"
