@@ -91,8 +91,10 @@ def try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple
         values = sorted(collect_sizes(seq, dist, registry))
     except _Refused as e:
         return str(e)
-    why = "no size to reduce"
-    for mapping in candidate_maps(values, read_relations(seq, dist, registry)):
+    reasons: list[str] = []
+    maps = list(candidate_maps(values, read_relations(seq, dist, registry), reasons))
+    why = reasons[0] if reasons else "no size to reduce"
+    for mapping in sorted(maps, key=lambda m: _elements(seq, dist, m)):  # the smallest programs first
         try:
             s, d = rewrite(seq, dist, registry, mapping)
         except _Refused as e:
@@ -107,6 +109,10 @@ def try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple
             continue
         return s, d, {k: v for k, v in mapping.items() if k != v}
     return why
+
+
+def _elements(seq: Graph, dist: Dist, mapping: Sizes) -> int:
+    return sum(math.prod(mapping[d] for d in x.type.shape) for _, g in _graphs(seq, dist) for x in (*g.inputs, *g.nodes))
 
 
 def apply(seq: Graph, dist: Dist, registry: Registry, mapping: Sizes) -> tuple[Graph, Dist]:
@@ -216,55 +222,58 @@ def collect_sizes(seq: Graph, dist: Dist, registry: Registry) -> set[int]:
 # arguments' (a concat), or a start/end pair, makes a sum.
 
 
-Relations = tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], list[frozenset[int]]]
+# (products: (lhs, rhs) with prod(lhs) == prod(rhs); sets of sizes that share their
+# exponents), each with where it was read first (for the message when they conflict)
+Relations = tuple[dict[tuple[tuple[int, ...], tuple[int, ...]], str], dict[frozenset[int], str]]
 
 
 def read_relations(seq: Graph, dist: Dist, registry: Registry) -> Relations:
-    """(products: (lhs, rhs) with prod(lhs) == prod(rhs), each a group to keep; sets of sizes
-    that must share their exponents)."""
-    prods: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
-    same: set[frozenset[int]] = set()
+    """The products and sums the programs rely on, by where they were read."""
+    prods: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
+    same: dict[frozenset[int], str] = {}
 
-    def pair(a: int, b: int) -> None:
+    def pair(a: int, b: int, where: str) -> None:
         if a != b and a > 1 and b > 1:
-            same.add(frozenset((a, b)))
+            same.setdefault(frozenset((a, b)), where)
 
-    for _, g in _graphs(seq, dist):
+    for side, g in _graphs(seq, dist):
         types = {x.name: x.type for x in (*g.inputs, *g.nodes)}
         for n in g.nodes:
             op = registry.ops[n.op]
+            where = f"{side} {n.name} ({n.op})"
             ins = [types[a].shape for a in n.tensor_args()]
             out = n.type.shape
             if op.kind == "collective":
                 for x in ins[:1]:
                     for a, b in zip(x, out, strict=False):
-                        pair(a, b)
+                        pair(a, b, where)
                 continue
             if len(ins) == 1 and math.prod(ins[0]) == math.prod(out) and sorted(ins[0]) != sorted(out):
-                prods.update(_groups(ins[0], out))  # (dims permuted, a transpose: no product to keep)
+                for grp in _groups(ins[0], out):  # (dims permuted, a transpose: no product to keep)
+                    prods.setdefault(grp, where)
             if len(ins) >= 2 and all(len(x) == len(out) for x in ins):
                 for i, o in enumerate(out):
                     parts = [x[i] for x in ins]
                     if sum(parts) == o and len(set(parts + [o])) > 1:
-                        same.add(frozenset(v for v in (*parts, o) if v > 1))
+                        same.setdefault(frozenset(v for v in (*parts, o) if v > 1), where)
             start, end = n.attrs.get("start"), n.attrs.get("end")
             kinds = op.attr_kinds()
             if isinstance(start, int) and isinstance(end, int) and start > 0 and \
                     _size_attr("start", kinds.get("start", "")) and _size_attr("end", kinds.get("end", "")):
-                same.add(frozenset(v for v in (start, end, end - start) if v > 1))
+                same.setdefault(frozenset(v for v in (start, end, end - start) if v > 1), where)
     seq_types = {i.name: i.type for i in seq.inputs}
     outs = {o.name: o.ref for o in seq.outputs}
-    shards = [(seq_types[r.source].shape, r.local or r.source, r.placements, False) for r in dist.relations
-              if r.placements]
-    shards += [(seq.type_of(outs[e.output]).shape, e.local or e.output, e.placements, True) for e in dist.expectations
-               if e.placements]
-    for whole, local, _, output in shards:
+    shards = [(seq_types[r.source].shape, r.local or r.source, False, f"the relation of {r.source}")
+              for r in dist.relations if r.placements]
+    shards += [(seq.type_of(outs[e.output]).shape, e.local or e.output, True, f"the expectation of {e.output}")
+               for e in dist.expectations if e.placements]
+    for whole, local, output, where in shards:
         for g in dist.ranks.values():
             ref = {o.name: o.ref for o in g.outputs}.get(local, local) if output else local
             if ref in g.index():
                 for a, b in zip(whole, g.type_of(ref).shape, strict=False):
-                    pair(a, b)
-    return sorted(prods), sorted(same, key=sorted)
+                    pair(a, b, where)
+    return prods, same
 
 
 def _groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -338,58 +347,72 @@ def choose_bases(values: list[int], first: int | None = None) -> tuple[int, ...]
         bases = min(((*bases, b) for b in pool), key=lambda bs: (_cost(values, bs), bs))
 
 
-def solve_exponents(values: list[int], bases: tuple[int, ...], rels: Relations) -> dict[int, Rep] | None:
+def solve_exponents(values: list[int], bases: tuple[int, ...], rels: Relations) -> dict[int, Rep] | str:
     """For each size a way to write it over the bases such that every relation keeps (the
-    simplest such, by the total of numerators and denominators: Z3's optimizer), or None."""
+    simplest such, by the total of numerators and denominators: Z3's optimizer), or which
+    relations conflict."""
     import z3
 
     prods, same = rels
-    opt = z3.Optimize()
-    opt.set("timeout", 10_000)
     ks: dict[int, list[Any]] = {}
     choice: dict[int, tuple[Any, list[Rep]]] = {}
+    hard: list[Any] = []
     cost = []
     for v in values:
         if v <= 1:
             continue
         opts = _options(v, bases)
         if not opts:
-            return None
+            return f"{v} is no small multiple of powers of the bases {list(bases)}"
         ks[v] = [z3.Int(f"k_{v}_{j}") for j in range(len(bases))]
         pick = z3.Int(f"pick_{v}")
-        opt.add(pick >= 0, pick < len(opts))
+        hard.append(z3.And(pick >= 0, pick < len(opts)))
         for i, (_, exps) in enumerate(opts):
-            opt.add(z3.Implies(pick == i, z3.And(*(k == e for k, e in zip(ks[v], exps, strict=True)))))
-        cost.append(z3.If(z3.Or(*(pick == i for i in range(len(opts)))),
-                          z3.Sum(*(z3.If(pick == i, c.numerator + c.denominator, 0) for i, (c, _) in enumerate(opts))),
-                          0))
+            hard.append(z3.Implies(pick == i, z3.And(*(k == e for k, e in zip(ks[v], exps, strict=True)))))
+        cost.append(z3.Sum(*(z3.If(pick == i, c.numerator + c.denominator, 0) for i, (c, _) in enumerate(opts))))
         choice[v] = (pick, opts)
 
     def k(v: int, j: int) -> Any:
         return ks[v][j] if v in ks else 0
 
-    for lhs, rhs in prods:
-        for j in range(len(bases)):
-            opt.add(z3.Sum(0, *(k(v, j) for v in lhs)) == z3.Sum(0, *(k(v, j) for v in rhs)))
-    for group in same:
+    tracked: list[tuple[Any, str]] = []
+    for (lhs, rhs), where in prods.items():
+        text = f"{' * '.join(map(str, lhs))} = {' * '.join(map(str, rhs))} ({where})"
+        tracked.append((z3.And(*(z3.Sum(0, *(k(v, j) for v in lhs)) == z3.Sum(0, *(k(v, j) for v in rhs))
+                                 for j in range(len(bases)))), text))
+    for group, where in same.items():
         first, *rest = sorted(group)
-        for v in rest:
-            for j in range(len(bases)):
-                opt.add(k(first, j) == k(v, j))
+        text = f"{', '.join(map(str, sorted(group)))} scale alike ({where})"
+        tracked.append((z3.And(*(k(first, j) == k(v, j) for v in rest for j in range(len(bases)))), text))
+    opt = z3.Optimize()
+    opt.set("timeout", 10_000)
+    opt.add(*hard, *(c for c, _ in tracked))
     opt.minimize(z3.Sum(0, *cost))
-    if opt.check() != z3.sat:
-        return None
-    model = opt.model()
-    out: dict[int, Rep] = {v: (Fraction(v), (0,) * len(bases)) for v in values if v <= 1}
-    for v, (pick, opts) in choice.items():
-        out[v] = opts[model.eval(pick, model_completion=True).as_long()]
-    return out
+    if opt.check() == z3.sat:
+        model = opt.model()
+        out: dict[int, Rep] = {v: (Fraction(v), (0,) * len(bases)) for v in values if v <= 1}
+        for v, (pick, opts) in choice.items():
+            out[v] = opts[model.eval(pick, model_completion=True).as_long()]
+        return out
+    core = z3.Solver()
+    core.set("timeout", 10_000)
+    core.add(*hard)
+    labels = {z3.Bool(f"rel_{i}"): text for i, (_, text) in enumerate(tracked)}
+    for (c, _), label in zip(tracked, labels, strict=True):
+        core.assert_and_track(c, label)
+    if core.check() != z3.unsat:
+        return f"no writing over the bases {list(bases)} found in time"
+    names = [labels[z3.Bool(str(x))] for x in core.unsat_core()]
+    return (f"over the bases {list(bases)} the sizes cannot all scale (a size plays roles that scale differently): "
+            + "; ".join(names[:6]) + (f"; ... {len(names) - 6} more" if len(names) > 6 else ""))
 
 
-def candidate_maps(values: list[int], rels: Relations = ([], [])) -> Iterable[Sizes]:
-    """Maps size -> reduced size to try, most promising first: for each choice of bases
-    whose exponents keep the relations, the smallest base values that keep every size a
-    positive integer, above 1 where it was, and no larger than it was."""
+def candidate_maps(values: list[int], rels: Relations = ({}, {}), why: list[str] | None = None
+                   ) -> Iterable[Sizes]:
+    """Maps size -> reduced size to try: for each choice of bases whose exponents keep the
+    relations, the smallest base values that keep every size a positive integer, above 1
+    where it was, and no larger than it was (and the next larger, in case the smallest
+    degenerates). `why` collects why a choice of bases gave none."""
     big = sorted({v for v in values if v >= MIN_BASE}, key=lambda b: (_cost(values, (b,)), b))
     tried: set[tuple[int, ...]] = set()
     for first in big[:FIRST_BASES]:
@@ -398,7 +421,9 @@ def candidate_maps(values: list[int], rels: Relations = ([], [])) -> Iterable[Si
             continue
         tried.add(bases)
         reps = solve_exponents(values, bases, rels)
-        if reps is None:
+        if isinstance(reps, str):
+            if why is not None:
+                why.append(reps)
             continue
         combos = sorted(itertools.product(BASE_VALUES, repeat=len(bases)), key=lambda bs: (math.prod(bs), bs))
         made = 0
@@ -409,7 +434,7 @@ def candidate_maps(values: list[int], rels: Relations = ([], [])) -> Iterable[Si
             if mapping is not None:
                 yield mapping
                 made += 1
-                if made == 2:  # the smallest, and one larger in case the smallest degenerates
+                if made == 2:
                     break
 
 
