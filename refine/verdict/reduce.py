@@ -68,6 +68,13 @@ FIRST_BASES = 3
 MIN_BASE = 8
 # a literal matches a size when they agree to this relative precision
 LITERAL_RTOL = 1e-9
+# a literal of at least DERIVED_MIN (or its reciprocal, ...) looks derived from a size n when
+# it is n * p/q with p, q at most DERIVED_TERM; a smaller one only when it is a size
+DERIVED_MIN = 16
+DERIVED_TERM = 8
+# an integer attribute that is no size (an index: embedding's padding_idx, a loss's
+# ignore_index) and at least this large must not equal a changed size or a small multiple
+INDEX_MIN = 16
 
 
 Sizes = dict[int, int]
@@ -462,17 +469,28 @@ def _numbers(n: Any, registry: Registry) -> list[tuple[str, Any]]:
 
 
 def _derived_from(x: Any, changed: set[int]) -> int | None:
-    """The changed size a literal looks derived from (n, 1/n, sqrt(n), 1/sqrt(n)), or None."""
+    """The changed size n a literal looks derived from, or None: y = n * p/q with p, q at
+    most DERIVED_TERM, where y is the literal's magnitude, its reciprocal, its square or
+    that's reciprocal (a mean's 1/n, 2/n, attention's 1/sqrt(d)). Exactly, to LITERAL_RTOL:
+    a number that only comes near a size (1e-5, -10000) is not one."""
     try:
         a = abs(float(Fraction(x)))
     except (ValueError, TypeError, OverflowError, ZeroDivisionError):
         return None
     if a == 0 or not math.isfinite(a):
         return None
-    for y in (a, 1 / a, a * a, 1 / (a * a)):
+    ys = (a, 1 / a, a * a, 1 / (a * a))
+    for y in ys:  # a size itself first
         n = round(y)
         if n in changed and abs(y - n) <= LITERAL_RTOL * n:
             return n
+    for y in ys:
+        if y < DERIVED_MIN:  # small numbers (1, 2, 0.5) are everywhere: only an exact size counts
+            continue
+        for n in sorted(changed):
+            r = Fraction(y / n).limit_denominator(DERIVED_TERM)
+            if r.numerator <= DERIVED_TERM and abs(float(r) - y / n) <= LITERAL_RTOL * y / n:
+                return n
     return None
 
 
@@ -489,12 +507,20 @@ def rewrite(seq: Graph, dist: Dist, registry: Registry, mapping: Sizes) -> tuple
 
     def _index_literal(x: int) -> int | None:
         """An integer on integer tensors is index arithmetic: a changed size, or a multiple
-        of one (the offset of rank r's vocabulary shard, r * V/n), is rewritten with it."""
+        r * v of one with r below the number of ranks (the offset of rank r's shard of a
+        vocabulary, r * V/n), is rewritten with it; v a shard's size where one fits."""
         if x in changed:
             return mapping[x]
-        v = max((v for v in changed if x % v == 0 and x // v <= MAX_TERM), default=None)
-        return None if v is None else x // v * mapping[v]
+        fits = [v for v in changed if x % v == 0 and x // v < dist.mesh.size]
+        made = {x // v * mapping[v] for v in ([v for v in fits if v in pieces] or fits)}
+        if len(made) > 1:  # multiples of sizes that scale differently: which one it is, is unknown
+            raise _Refused(f"the integer {x} is a multiple of sizes the reduction maps differently")
+        return made.pop() if made else None
 
+    # the sizes of the rank pieces of sharded inputs (along their sharded dims)
+    pieces = {dist.ranks[r].type_of(rel.local or rel.source).shape[p.dim]  # type: ignore[index]
+              for rel in dist.relations if rel.placements for p in rel.placements if p.kind == "shard"
+              for r in dist.ranks if (rel.local or rel.source) in dist.ranks[r].index()}
     held: dict[str, set[Any]] = {}  # literal -> the sides holding it ("seq", "rank")
     where: dict[Any, str] = {}
 
@@ -513,6 +539,12 @@ def rewrite(seq: Graph, dist: Dist, registry: Registry, mapping: Sizes) -> tuple
                 if _derived_from(x, changed) is not None:
                     held.setdefault(repr(float(Fraction(x))), set()).add(side)
                     where.setdefault(repr(float(Fraction(x))), f"{n.name} ({n.op}) {name}={x}")
+            for name, kind in registry.ops[n.op].attrs:
+                v = n.attrs.get(name)
+                if kind.rstrip("?") == "int" and _size_attr(name, kind) is None and isinstance(v, int) and \
+                        abs(v) >= INDEX_MIN and any(abs(v) % c == 0 and abs(v) // c <= MAX_TERM for c in changed):
+                    raise _Refused(f"{side} {n.name} ({n.op}): its {name}={v} is an index over a size the reduction "
+                                   "changes")
             nodes.append(replace(n, args=args, attrs=_map_attrs(n.attrs, registry.ops[n.op].attrs, f), type=typ(n.type)))
         return Graph([replace(i, type=typ(i.type)) for i in g.inputs], nodes, list(g.outputs), g.name, {})
 

@@ -374,3 +374,13 @@ def test_corpus_correct_cases_reduced_still_agree(tmp_path: Path, name: str) -> 
     search = counterexample.search(seq, dist, REG)
     assert search.skipped is None and search.found is None, search
     assert search.agreed == counterexample.TRIES and not search.unchecked
+
+
+def test_numbers_derived_from_sizes_are_recognized_exactly() -> None:
+    changed = {96, 128, 1024, 4096}
+    derived = reduce._derived_from  # noqa: SLF001 - the rule the literal guard applies
+    assert derived(2 / 96, changed) == 96  # a mean's 2/n (item 4 of issue 22)
+    assert derived(128 ** -0.5, changed) == 128  # attention's 1/sqrt(d)
+    assert derived(1 / 4096, changed) == 4096 and derived(3072.0, changed) is not None  # 3/4 of 4096
+    for x in (1e-5, -10000.0, 0.5, 1.0, 0.0, float("inf"), 0.1443):
+        assert derived(x, changed) is None, x
