@@ -7,6 +7,8 @@ ranks' schedule allows) in float64, and compares every sequential output with wh
 expectation reads from the rank outputs (`refine.verdict.expect.expectation_options`: an
 output with no expectation may match any standard placement). The first draw on which one
 output matches none of its options is the counterexample: the verdict is DOES NOT REFINE.
+A case too large to evaluate is searched at reduced sizes (`refine.verdict.reduce`: every
+size mapped small consistently); the counterexample records the map (`reduced`).
 When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexample.
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above

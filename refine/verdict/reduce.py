@@ -1,35 +1,44 @@
 """Shape reduction: the same programs at small sizes, for a counterexample search on programs
-too large to evaluate (TrainVerify reduces shapes the same way before it runs a solver).
+too large to evaluate (TrainVerify reduces shapes before it runs its solver; this is our own
+take on it).
 
 A concrete case names its sizes as plain integers: a hidden size 1536, a sequence 1024, a
-vocabulary 98304 and what the program derives from them (1536/2 on a rank, 3*1536 for
-fused QKV, 32*1024 rows after a view). `reduce_sizes` reads every size the two programs
-hold (tensor shapes, size-valued attributes, the bounds in relations and defines), writes
-each as a small rational constant times a product of powers of a few *bases* (with base 32:
-48 = 3/2*32, 1024 = 32^2, 98304 = 3*32^3), maps each base to a small value and rewrites every
-size through the same map. Products, quotients and sums of sizes that are one base's powers
-scale together, so what the programs rely on (a view's products, a concat's sums, a shard
-over the ranks dividing its dim, a slice's bounds within its dim) holds at the small sizes
-too, and the checks below make sure: the rewritten graphs go through the loader's shape
-inference again (each op's shape rule must accept the new attributes and give the rewritten
-shape; relations, layouts, expectations, defines and collectives must type-check). Any
-failure and there is no reduction (None; `why_not` says why).
+vocabulary 98304 and what the programs derive from them (1536/2 on a rank, 3*48 for fused
+QKV heads, 32*1024 rows after a view). `reduce_sizes` reads every size the two programs hold
+(tensor shapes, size-valued attributes, the bounds in layouts and defines), writes each as
+a small rational constant times a product of powers of a few *bases* (with base 16: 48 =
+3*16, 1024 = 4*16^2, 98304 = 24*16^3), maps each base to a small value and rewrites every
+size through the same map. The exponents are chosen (Z3) so that what the programs rely on
+keeps: a view's runs of dims with equal products keep equal exponents, and so do the terms
+of a sum (a concat, a slice from an offset) and a dim and its shard (mesh sizes are never
+reduced). Then the rewritten programs go through the loader's checks again: each op's shape
+rule must accept the new attributes and give the rewritten shape; relations, layouts,
+expectations, defines and collectives must type-check. Any failure, and there is no
+reduction (`try_reduce` says why: a conflict names the relations, from Z3's unsat core).
 
-Soundness: a reduction is used by the counterexample search only (a REFINES is a proof
-over the given sizes and never sees it). A counterexample at reduced sizes shows the program
-family wrong, the evidence the issue asks for. A reduction that changed meaning would show
-as a counterexample on a correct program, so what could change meaning is refused:
-- a number in the programs that looks derived from a size the reduction changes (the size,
-  its reciprocal, its square root or that's reciprocal: a mean's 1/n, attention's
+The map is by value: every occurrence of a size maps alike. A value that plays two roles
+which must scale differently blocks it (a batch of 8 on 8 ranks where 8 * 1536 = 12288 is
+also the vocabulary's shard; 4 as both GQA's repeat and the KV heads per rank): finding
+the roles (a symbol per occurrence, unified along the ops' shape rules) is what is left.
+
+Soundness: a reduction is used by the counterexample search only (a REFINES is a proof over
+the given sizes and never sees it). A counterexample at reduced sizes shows the program
+family wrong, the evidence issue 22 asks for. A reduction that changed meaning would show as
+a counterexample on a correct program, so what could change meaning is refused:
+- a number that looks derived from a size the reduction changes (n * p/q with small p, q,
+  of the number, its reciprocal, its square or that's reciprocal: a mean's 1/n, attention's
   1/sqrt(d)) is kept only when both sides hold it as a literal (both then compute with the
   same number at any size); one side deriving it from a shape (a mean op) and the other
-  holding it would disagree after the reduction. An integer literal on integer tensors
-  equal to a reduced size (a vocabulary shard's offset, `ids >= 49152`) is index
-  arithmetic over that size and is rewritten with it;
-- a size that was above 1 stays above 1 (a dim of 1 broadcasts), and every attribute that
-  holds a size is known by its kind (`refine.ops.registry.ATTR_SORTS`: size, shape, and the
-  `ints` lists named in `_NOT_SIZES` as dims or ranks are not), so nothing is guessed.
-The tests check that correct programs reduced still agree numerically.
+  holding it would disagree after the reduction (the tests show the false counterexample);
+- an integer literal on integer tensors equal to a changed size, or a multiple r * v below
+  the number of ranks (a vocabulary shard's offset, `ids >= 49152`), is index arithmetic over
+  that size and is rewritten with it; a multiple of sizes that map differently is refused,
+  and so is an index attribute (padding_idx) over a changed size;
+- a size above 1 stays above 1 (a dim of 1 broadcasts) and no size grows, and every
+  attribute that holds a size is known by its kind (`refine.ops.registry.ATTR_SORTS`: size
+  and shape; `ints` lists except the ranks and dims named in `_NOT_SIZES`).
+The tests check that correct programs reduced still agree on every draw (bundled-style
+families at large sizes, and the corpus's GPT and Qwen2 layers).
 """
 
 from __future__ import annotations
