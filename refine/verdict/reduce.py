@@ -58,7 +58,7 @@ from refine.ops.registry import Registry
 # `ints` attributes that hold dims or ranks, not sizes (by name; every other `ints`
 # attribute, a view's shape, a norm's normalized_shape, a repeat's counts, holds sizes)
 _NOT_SIZES = ("group",)
-_NOT_SIZE_SUFFIXES = ("dims", "_map")
+_NOT_SIZE_SUFFIXES = ("dims", "dimensions", "_map")
 # `int` attributes that hold sizes (slice_scatter's bounds); other `int` attributes are
 # dims, ranks, steps or flags
 _INT_SIZES = ("start", "end")

@@ -384,3 +384,19 @@ def test_numbers_derived_from_sizes_are_recognized_exactly() -> None:
     assert derived(1 / 4096, changed) == 4096 and derived(3072.0, changed) is not None  # 3/4 of 4096
     for x in (1e-5, -10000.0, 0.5, 1.0, 0.0, float("inf"), 0.1443):
         assert derived(x, changed) is None, x
+
+
+def test_which_attributes_hold_sizes() -> None:
+    """By kind: every size and shape attribute, the ints lists but ranks and dims; no dim,
+    rank, step or flag."""
+    holds = {f"{op.name}.{name}": reduce._size_attr(name, kind)  # noqa: SLF001
+             for op in REG.ops.values() for name, kind in op.attrs}
+    for attr in ("reshape.shape", "view.shape", "full.shape", "expand.shape", "layer_norm.normalized_shape",
+                 "hlo_gather.slice_sizes"):
+        assert holds[attr] == "list", attr
+    for attr in ("slice.start", "slice.end", "arange.end", "slice_scatter.start", "topk_values.k"):
+        assert holds[attr] == "one", attr
+    for attr in ("all_reduce.group", "hlo_broadcast.broadcast_dimensions", "hlo_dot.lhs_contracting_dims",
+                 "hlo_gather.start_index_map", "slice.dim", "transpose.dim0", "broadcast.src", "send.peer",
+                 "arange.step", "nll_loss_forward.ignore_index", "sum.dim", "permute.dims"):
+        assert holds[attr] is None, attr
