@@ -400,3 +400,26 @@ def test_which_attributes_hold_sizes() -> None:
                  "hlo_gather.start_index_map", "slice.dim", "transpose.dim0", "broadcast.src", "send.peer",
                  "arange.step", "nll_loss_forward.ignore_index", "sum.dim", "permute.dims"):
         assert holds[attr] is None, attr
+
+
+def test_views_relate_the_runs_of_dims_whose_products_match() -> None:
+    groups = reduce._groups  # noqa: SLF001
+    assert groups((1024, 32, 4608), (1024, 32, 32, 144)) == [((4608,), (32, 144))]
+    assert groups((32, 32, 1024, 1024), (1024, 1024, 1024)) == [((32, 32), (1024,))]
+    assert groups((8, 1, 6), (48,)) == [((6, 8), (48,))]  # dims of 1 left out
+    assert groups((4, 6), (4, 6)) == []
+
+
+@pytest.mark.corpus
+@pytest.mark.slow
+def test_corpus_a_size_in_two_roles_blocks_the_reduction_and_says_which(tmp_path: Path) -> None:
+    """GPT on 8 ranks: the batch is 8 too, and 8 * 1536 tokens = 12288 is also the
+    vocabulary's shard (98304 / 8): by value no map keeps every relation. The search says
+    so and does not run (the verdict stays UNPROVEN, never a counterexample it cannot back)."""
+    from refine.frontends.importer.entangle import import_case
+
+    import_case(CORPUS / "gpt" / "paral1_layer1", CORPUS / "gpt" / "paral8_layer1", RELATIONS / "gpt.json").write(tmp_path)
+    seq, dist = _load((tmp_path / "seq.json", tmp_path / "dist.json"))
+    search = counterexample.search(seq, dist, REG)
+    assert search.found is None and search.skipped is not None
+    assert "cannot all scale" in search.skipped and "12288" in search.skipped, search.skipped
