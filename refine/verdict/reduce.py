@@ -98,25 +98,35 @@ def reduce_sizes(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tup
 
 
 def try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple[Graph, Dist, Sizes] | str:
-    """As `reduce_sizes`, or why there is none."""
-    from refine.ops.interp import eval_elements
-
+    """As `reduce_sizes`, or why there is none. Fails closed: anything the reduction cannot
+    read or check is no reduction, never an error of the check that asked for it."""
     if seq.symbols or any(g.symbols for g in dist.ranks.values()):
         return "symbolic sizes (instantiated instead)"
     try:
-        values = sorted(collect_sizes(seq, dist, registry))
+        return _try_reduce(seq, dist, registry, budget)
     except _Refused as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001 - an op or term the reduction does not know: no reduction
+        return f"the reduction failed ({type(e).__name__}: {e})"
+
+
+def _try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple[Graph, Dist, Sizes] | str:
+    from refine.ops.interp import eval_elements
+
+    values = sorted(collect_sizes(seq, dist, registry))
     reasons: list[str] = []
     maps = list(candidate_maps(values, read_relations(seq, dist, registry), reasons))
     why = reasons[0] if reasons else "no size to reduce"
     for mapping in sorted(maps, key=lambda m: _elements(seq, dist, m)):  # the smallest programs first
         try:
             s, d = rewrite(seq, dist, registry, mapping)
+            problem = validate(s, d, registry)
         except _Refused as e:
             why = str(e)
             continue
-        problem = validate(s, d, registry)
+        except Exception as e:  # noqa: BLE001 - a rewritten program a check cannot read: not a reduction
+            why = f"the reduced programs do not type-check ({type(e).__name__}: {e})"
+            continue
         if problem is not None:
             why = f"the reduced programs do not type-check: {problem}"
             continue
