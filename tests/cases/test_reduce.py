@@ -423,3 +423,24 @@ def test_corpus_a_size_in_two_roles_blocks_the_reduction_and_says_which(tmp_path
     search = counterexample.search(seq, dist, REG)
     assert search.found is None and search.skipped is not None
     assert "cannot all scale" in search.skipped and "12288" in search.skipped, search.skipped
+
+
+@pytest.mark.corpus
+@pytest.mark.slow
+def test_corpus_qwen2_value_read_from_the_key_columns_gets_a_counterexample(tmp_path: Path) -> None:
+    """Qwen2 TP4 (6.7e9 elements) with rank 1 reading its key columns where attention wants
+    its value columns (tests/corpus/test_import_entangle.py plants it): the slice bounds are
+    sizes and map with the rest, so the reduced programs keep the bug and a draw shows it."""
+    from refine.frontends.importer.entangle import import_case
+
+    import_case(CORPUS / "qwen2" / "paral1_layer1", CORPUS / "qwen2" / "paral4_layer1", RELATIONS / "qwen2.json").write(tmp_path)
+    doc = json.loads((tmp_path / "dist.json").read_text())
+    (v,) = [n for n in doc["ranks"][1]["graph"]["nodes"] if n["name"] == "split_with_sizes_6.2"]
+    assert v["attrs"] == {"dim": 1, "start": 512, "end": 640}, v
+    seq, dist = _load((tmp_path / "seq.json", tmp_path / "dist.json"))
+    assert counterexample.search(seq, dist, REG).found is None  # the correct case agrees
+    v["attrs"].update(start=384, end=512)
+    (tmp_path / "dist.json").write_text(json.dumps(doc))
+    report = check_files(tmp_path / "seq.json", tmp_path / "dist.json")
+    assert report.verdict == "DOES NOT REFINE", str(report)
+    assert report.search is not None and report.search.found is not None and report.search.found.reduced
