@@ -7,6 +7,8 @@ ranks' schedule allows) in float64, and compares every sequential output with wh
 expectation reads from the rank outputs (`refine.verdict.expect.expectation_options`: an
 output with no expectation may match any standard placement). The first draw on which one
 output matches none of its options is the counterexample: the verdict is DOES NOT REFINE.
+A case too large to evaluate is searched at reduced sizes (`refine.verdict.reduce`: every
+size mapped small consistently); the counterexample records the map (`reduced`).
 When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexample.
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above
@@ -40,6 +42,8 @@ from refine.ops.interp import (
     EvalError,
     Tensor,
     canon,
+    eval_budget,
+    eval_elements,
     eval_graph,
     eval_ranks,
     eval_term,
@@ -50,6 +54,8 @@ from refine.ops.interp import (
 )
 from refine.ops.registry import Registry
 from refine.verdict.expect import expectation_options
+from refine.verdict.reduce import apply as reduced_programs
+from refine.verdict.reduce import try_reduce
 
 # Random draws before the search gives up. Two programs that differ over the reals differ
 # on almost every real input (their difference, a composition of analytic ops, vanishes on
@@ -84,12 +90,15 @@ class Counterexample:
     outputs: list[OutputError]  # the failing outputs first
     seq_inputs: dict[str, Tensor] = field(repr=False, default_factory=dict)
     rank_inputs: dict[int, dict[str, Tensor]] = field(repr=False, default_factory=dict)
+    # a case too large to evaluate is searched at reduced sizes (refine.verdict.reduce): each
+    # size it changed, original -> reduced; the inputs are the reduced programs'
+    reduced: dict[int, int] = field(default_factory=dict)
 
     def failing(self) -> list[OutputError]:
         return [o for o in self.outputs if not o.ok]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "sizes": self.sizes,
+        return {"seed": self.seed, "sizes": self.sizes, "reduced": {str(k): v for k, v in self.reduced.items()},
                 "outputs": [o.__dict__ for o in self.outputs]}
 
 
@@ -177,6 +186,14 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
     differs is the counterexample."""
     symbols = case_symbols(seq, dist)
     agreed, unchecked = 0, []
+    reduced: dict[int, int] = {}
+    if not symbols and eval_elements(seq, dist) > eval_budget():  # too large: the same programs at small sizes
+        got = try_reduce(seq, dist, registry, eval_budget())
+        if isinstance(got, str):
+            return Search(tries, agreed, skipped=f"too large to evaluate ({eval_elements(seq, dist):.3g} tensor "
+                                                 f"elements, above the budget of {eval_budget():.3g}) and no "
+                                                 f"reduction of its sizes: {got}")
+        seq, dist, reduced = got
     for seed in range(tries):
         s, d, values = seq, dist, {}
         if symbols:
@@ -190,7 +207,8 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
             return Search(tries, agreed, skipped=str(e))
         errors, unchecked = compare(s, d, registry, seq_vals, rank_vals)
         if errors and not errors[0].ok:
-            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in), unchecked=unchecked)
+            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in, reduced),
+                          unchecked=unchecked)
         agreed += 1
     return Search(tries, agreed, unchecked=unchecked)
 
@@ -230,8 +248,7 @@ def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max
     """The first rank node (program order) whose value on the counterexample is no placement
     of a sequential tensor and whose replacement by one makes every output right; None
     when there is none within `max_repairs` counterfactual runs."""
-    if cex.sizes:
-        seq, dist = instantiate(seq, dist, cex.sizes)
+    seq, dist = _at_sizes(seq, dist, registry, cex)
     seq_vals = eval_graph(seq, registry, cex.seq_inputs)
     rank_vals = eval_ranks(dist.ranks, registry, cex.rank_inputs)
     seq_nodes = {n.name: n for n in seq.nodes}
@@ -393,7 +410,8 @@ def load(directory: str | Path) -> Counterexample:
     root = Path(directory)
     doc = json.loads((root / "counterexample.json").read_text())
     cex = Counterexample(int(doc["seed"]), {k: int(v) for k, v in doc["sizes"].items()},
-                         [OutputError(**o) for o in doc["outputs"]])
+                         [OutputError(**o) for o in doc["outputs"]],
+                         reduced={int(k): int(v) for k, v in doc.get("reduced", {}).items()})
     for t in doc["tensors"]:
         dtype = _DTYPES[t["dtype"]]
         data = (root / Path(t["file"]).name).read_bytes()  # a bare file name: never outside the directory
@@ -408,8 +426,17 @@ def load(directory: str | Path) -> Counterexample:
 
 def replay(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample) -> list[OutputError]:
     """Run both sides again on a counterexample's inputs: the output errors it shows."""
-    if cex.sizes:
-        seq, dist = instantiate(seq, dist, cex.sizes)
+    seq, dist = _at_sizes(seq, dist, registry, cex)
     seq_vals = eval_graph(seq, registry, cex.seq_inputs)
     rank_vals = eval_ranks(dist.ranks, registry, cex.rank_inputs)
     return compare(seq, dist, registry, seq_vals, rank_vals)[0]
+
+
+def _at_sizes(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample) -> tuple[Graph, Dist]:
+    """The programs at the sizes a counterexample was drawn at: symbols instantiated, or the
+    sizes the search reduced rewritten the same way."""
+    if cex.sizes:
+        seq, dist = instantiate(seq, dist, cex.sizes)
+    if cex.reduced:
+        seq, dist = reduced_programs(seq, dist, registry, cex.reduced)
+    return seq, dist
