@@ -39,8 +39,9 @@ def test_corpus_gpt_loss_scaled_on_every_rank_does_not_refine(tmp_path: Path) ->
     """Megatron GPT TP2: the per-token losses halved on every rank (a loss divided twice).
     Without an expectation the loss need only be reconstructible from the rank outputs, and
     `2 * output@0` is: the check said REFINES. models/entangle/relations/gpt.json now says the
-    loss is Replicate. Too large to evaluate (above REFINE_EVAL_BUDGET): the check finds no
-    counterexample, so the verdict is UNPROVEN, never REFINES, and the judge reports it only."""
+    loss is Replicate. Too large to evaluate as imported (above REFINE_EVAL_BUDGET): the
+    check's search finds its counterexample at reduced sizes (refine.verdict.reduce), so the
+    mutant is caught although the sweep itself cannot evaluate it."""
     from refine.frontends.importer.entangle import import_case
 
     case = import_case(CORPUS / "gpt" / "paral1_layer1", CORPUS / "gpt" / "paral2_layer1",
@@ -51,14 +52,14 @@ def test_corpus_gpt_loss_scaled_on_every_rank_does_not_refine(tmp_path: Path) ->
     made = mutate_one(seq, dist, doc, REG, "scale", "transpose_6", None, seed=1)
     assert made is not None and "scaled by 0.5" in made[0].name
     o = Judge(seq, dist, REG).judge(*made)
-    assert o.verdict == "UNPROVEN" and o.kind == "unjudged"
+    assert o.verdict == "DOES NOT REFINE" and o.kind == "caught"
 
 
 def test_corpus_output_expectation_is_guessed_from_shapes(tmp_path: Path) -> None:
     """A relation file that names no expectation for the checked output: the importer places
     it by shape like an input (the loss: Replicate) and flags the guess, so the loss halved on
-    every rank is still not proven (UNPROVEN: too large for the counterexample search), and
-    the correct case still refines."""
+    every rank is still DOES NOT REFINE (a counterexample at reduced sizes), and the correct
+    case still refines."""
     from refine.check import check_files
     from refine.frontends.importer.entangle import import_case
 
@@ -75,4 +76,4 @@ def test_corpus_output_expectation_is_guessed_from_shapes(tmp_path: Path) -> Non
     seq, dist, doc = load_case(tmp_path / "case" / "seq.json", tmp_path / "case" / "dist.json", REG)
     made = mutate_one(seq, dist, doc, REG, "scale", "transpose_6", None, seed=1)
     assert made is not None
-    assert Judge(seq, dist, REG).judge(*made).verdict == "UNPROVEN"
+    assert Judge(seq, dist, REG).judge(*made).verdict == "DOES NOT REFINE"
