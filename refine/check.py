@@ -190,7 +190,10 @@ def _check(seq: Graph, dist: Dist, registry: Registry, seq_file: str, dist_file:
         from refine.verdict import counterexample  # torch, only now
 
         search = counterexample.search(seq, dist, registry, counterexample.TRIES if tries is None else tries)
-        if search.found is not None and culprit is not None:
+        # a rank line the localization confirmed by a numeric repair of its own (a wrong
+        # constant scaled back, a missing reduction inserted: `seq_source` set) needs no
+        # divergence search, whose counterfactual runs cost most of a failing check's search
+        if search.found is not None and culprit is not None and culprit.seq_source is None:
             _diverge(seq, dist, registry, search.found, culprit, prog)
     elif self_check and (limit is None or _elements(seq, dist) <= limit):
         _self_check(seq, dist, registry)
@@ -229,9 +232,7 @@ def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, 
         return
     own = prog.nodes.get(culprit.rank_node) if culprit.rank_node else None
     implicated = {d.rank_node, *(n for n, _ in d.chain)}
-    # a rank line the localization confirmed by a numeric repair of its own (a wrong constant
-    # scaled back, a missing reduction inserted: `seq_source` set) is the finer one
-    if culprit.seq_source is None and (own is None or (own.origin or own.name) not in implicated):
+    if own is None or (own.origin or own.name) not in implicated:
         culprit.rank_node = tensor_name(d.ranks[0], d.rank_node)
         culprit.rank_source = d.source
 
