@@ -1,0 +1,168 @@
+"""Every numeric knob of the prover's search policy (refine.prove.policy.Policy), one by one.
+
+- Soundness: a knob decides what a step looks at and how long it searches, so at its
+  smallest value it may lose proofs, never make one: no buggy twin refines with any one
+  knob at its smallest value. The knobs are read from the dataclass, so a new one is
+  covered without a change here.
+- Use: each knob has a case that refines at the default policy and not at the knob's
+  smallest value (the smallest case found by running the bundled models, the captured
+  models and the cases the tests build with each knob at its smallest value). A knob no
+  case needs is listed in NO_CASE with what was tried: a candidate for removal, not a test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from refine.check import check, check_files
+from refine.prove.policy import DEFAULT, Policy
+from refine.verdict.report import Report
+from tests.helpers import MODELS
+from tests.unit.test_prove_copies import _case as copied_kv_heads
+
+Run = Callable[[Policy], Report]  # a case, checked under a policy
+
+# every numeric knob (the strategies are tested in test_prove_policy.py)
+KNOBS: list[str] = [f.name for f in fields(Policy) if type(getattr(DEFAULT, f.name)) is int]
+
+
+def smallest(knob: str) -> int:
+    """The knob's smallest meaningful value: 0, but 1 for a step's iteration count (a step
+    asked for 0 iterations runs Policy.iterations: refine.prove.engine.Engine.step)."""
+    return 1 if knob.endswith("iterations") else 0
+
+
+def _at(knob: str, value: int) -> Policy:
+    return replace(DEFAULT, **{knob: value})
+
+
+def _model(name: str) -> Run:
+    case = MODELS / name
+    rules = [MODELS / "rule_example"] if case.parent.name == "rule_example" else []
+    return lambda policy: check_files(case / "seq.json", case / "dist.json", rules=rules, policy=policy)
+
+
+def _files(paths: tuple[Path, Path]) -> Run:
+    return lambda policy: check_files(*paths, policy=policy)
+
+
+def _captured(model: str, **kw: Any) -> Run:
+    """A models/capture model, captured once (torch is imported only here)."""
+    from refine import capture
+    from tests.helpers.capture import load_model
+
+    case = capture(load_model(model).make_case(**kw))
+    return lambda policy: check(case.seq, case.dist, case.registry, policy=policy)
+
+
+# ---------------------------------------------------------------------------------------
+# the cases the knobs are measured on (built once per module)
+
+# KV heads copied by defines over 3 ranks (test_prove_copies.py): the copies' search, the
+# ranks' scores a few ops from the copies, an expectation over the ranks' scores
+WRONG_COPIES = {"rank2_swapped": {0: (0, 0), 1: (0, 1), 2: (1, 0)}, "rank0_second_head": {0: (0, 1), 1: (0, 1), 2: (1, 1)}}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Built and captured cases, by name, made when first asked for."""
+    made: dict[str, Run] = {}
+    makers: dict[str, Callable[[], Run]] = {
+        "copied_kv_heads": lambda: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), rotary=False)),
+        "copied_rotated_kv_heads": lambda: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), rotary=True)),
+        # the global norm of TP gradients (a fused op: its users' counterparts lie far downstream)
+        "clip_norm": lambda: _captured("clip_norm", foreach=False),
+        **{f"copied_kv_heads_bug_{k}": (lambda h=h: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), h,
+                                                                         rotary=False)))
+           for k, h in WRONG_COPIES.items()},
+        "clip_norm_bug_norm_not_all_reduced": lambda: _captured("clip_norm", foreach=False, bug="norm_not_all_reduced"),
+        "clip_norm_bug_replicated_norm_all_reduced":
+            lambda: _captured("clip_norm", foreach=False, bug="replicated_norm_all_reduced"),
+    }
+
+    class Cases(dict[str, Run]):
+        def __missing__(self, name: str) -> Run:
+            if name not in made:
+                made[name] = makers[name]() if name in makers else _model(name)
+            return made[name]
+
+    return Cases()
+
+
+# ---------------------------------------------------------------------------------------
+# soundness: no knob at its smallest value makes a buggy twin refine
+
+TWINS: list[str] = [*sorted(p.name for p in MODELS.glob("*_bug_*") if p.is_dir()), "rule_example/case_bug",
+                    *(f"copied_kv_heads_bug_{k}" for k in WRONG_COPIES),
+                    "clip_norm_bug_norm_not_all_reduced", "clip_norm_bug_replicated_norm_all_reduced"]
+
+
+def test_the_knobs_are_read_from_the_policy() -> None:
+    assert {"iterations", "near_hops", "deep_iterations", "expect_hops", "max_copies"} <= set(KNOBS)
+    assert "strategies" not in KNOBS
+    assert smallest("iterations") == smallest("copy_iterations") == 1 and smallest("near_hops") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knob", KNOBS)
+def test_no_twin_refines_with_a_knob_at_its_smallest(knob: str, cases: dict[str, Run]) -> None:
+    policy = _at(knob, smallest(knob))
+    refining = [t for t in TWINS if cases[t](policy).refines]
+    assert refining == [], f"{knob}={smallest(knob)} proves a buggy twin: {refining}"
+
+
+# ---------------------------------------------------------------------------------------
+# use: a case each knob's proof needs
+
+# knob -> the smallest case found that refines at the default and not at the knob's smallest value
+USE: dict[str, str] = {
+    "iterations": "tp_mlp",
+    "term_depth": "tp_mlp",
+    "wide_hops": "vocab_embedding",
+    "near_hops": "copied_kv_heads",
+    "flood": "copied_kv_heads",
+    "expect_hops": "copied_kv_heads",
+    "copy_region_depth": "copied_kv_heads",
+    "copy_iterations": "copied_kv_heads",
+    "copy_max_units": "copied_kv_heads",
+    "max_copies": "copied_kv_heads",
+    "copy_outside": "copied_rotated_kv_heads",
+    "deep_hops": "clip_norm",
+    "deep_iterations": "clip_norm",
+}
+
+# Knobs no case needs: at their smallest value every bundled model (models/*, 11 refining),
+# every captured model that refines (27 configurations of models/capture) and the refining
+# cases the tests under tests/cases and tests/unit/test_prove_* build (74, up to two per
+# test) still refine. Candidates for removal (the Entangle corpus was not measured).
+NO_CASE: dict[str, str] = {
+    "patience": "a step that stops as soon as its best term is plain loses no proof",
+    "carry_ops": "no case keeps a `carried` relation (refine check --stats)",
+    "carry_hops": "no case keeps a `carried` relation",
+    "counterpart_depth": "no later step needs a counterpart offered downstream",
+    "struct_free": "no case keeps a `write_back` relation",
+    "struct_depth": "no case keeps a `write_back` relation; fact chains need none",
+    "write_back_hops": "no case keeps a `write_back` relation",
+    "fact_depth": "the facts' cases (copied KV heads) refine without joining their consequences",
+}
+
+
+def test_every_knob_has_a_case_or_is_a_candidate_for_removal() -> None:
+    """A new knob comes with a case that needs it (or a measurement saying none does)."""
+    assert not set(USE) & set(NO_CASE)
+    assert set(USE) | set(NO_CASE) == set(KNOBS)
+
+
+@pytest.mark.parametrize("knob", sorted(USE))
+def test_a_case_needs_the_knob(knob: str, cases: dict[str, Run]) -> None:
+    run = cases[USE[knob]]
+    assert run(DEFAULT).refines
+    report = run(_at(knob, smallest(knob)))
+    assert not report.refines, f"{USE[knob]} refines with {knob}={smallest(knob)}: the knob is not needed there"
+    # and the default proves it again (nothing kept from the failed check)
+    assert run(DEFAULT).refines
