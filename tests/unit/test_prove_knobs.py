@@ -22,7 +22,7 @@ import pytest
 from refine.check import check, check_files
 from refine.prove.policy import DEFAULT, Policy
 from refine.verdict.report import Report
-from tests.helpers import MODELS
+from tests.helpers import CORPUS, MODELS, RELATIONS
 from tests.unit.test_prove_copies import _case as copied_kv_heads
 
 Run = Callable[[Policy], Report]  # a case, checked under a policy
@@ -49,6 +49,14 @@ def _model(name: str) -> Run:
 
 def _files(paths: tuple[Path, Path]) -> Run:
     return lambda policy: check_files(*paths, policy=policy)
+
+
+def _imported(tmp: Path, seq: str, dist: str, relations: str) -> Run:
+    """A pair of the Entangle corpus, imported once (tests marked `corpus`)."""
+    from refine.frontends.importer.entangle import import_case
+
+    import_case(CORPUS / seq, CORPUS / dist, RELATIONS / relations).write(tmp)
+    return _files((tmp / "seq.json", tmp / "dist.json"))
 
 
 def _captured(model: str, **kw: Any) -> Run:
@@ -80,6 +88,16 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         **{f"copied_kv_heads_bug_{k}": (lambda h=h: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), h,
                                                                          rotary=False)))
            for k, h in WRONG_COPIES.items()},
+        # the corpus (refine import entangle): vLLM Qwen2 TP2 writes its rotated q and k back
+        # into the fused qkv buffer; Megatron GPT TP2's vocab-parallel cross-entropy masks the
+        # targets outside a rank's vocab range
+        "qwen2_tp2": lambda: _imported(tmp_path_factory.mktemp("qwen2"), "qwen2/paral1_layer1",
+                                       "qwen2/paral2_layer1", "qwen2.json"),
+        # Qwen2 TP4: KV heads replicated on two ranks, each rank's columns equal to its group's first's by facts
+        "qwen2_tp4": lambda: _imported(tmp_path_factory.mktemp("qwen2"), "qwen2/paral1_layer1",
+                                       "qwen2/paral4_layer1", "qwen2.json"),
+        "gpt_tp2": lambda: _imported(tmp_path_factory.mktemp("gpt"), "gpt/paral1_layer1", "gpt/paral2_layer1",
+                                     "gpt.json"),
         "clip_norm_bug_norm_not_all_reduced": lambda: _captured("clip_norm", foreach=False, bug="norm_not_all_reduced"),
         "clip_norm_bug_replicated_norm_all_reduced":
             lambda: _captured("clip_norm", foreach=False, bug="replicated_norm_all_reduced"),
@@ -134,21 +152,23 @@ USE: dict[str, str] = {
     "copy_outside": "copied_rotated_kv_heads",
     "deep_hops": "clip_norm",
     "deep_iterations": "clip_norm",
+    "counterpart_depth": "qwen2_tp2",
+    "write_back_hops": "qwen2_tp2",
+    "struct_free": "qwen2_tp2",
+    "struct_depth": "qwen2_tp2",
+    "carry_ops": "gpt_tp2",
+    "carry_hops": "gpt_tp2",
+    "fact_depth": "qwen2_tp4",
 }
+CORPUS_CASES = {"qwen2_tp2", "qwen2_tp4", "gpt_tp2"}  # 3-10 s a check
 
 # Knobs no case needs: at their smallest value every bundled model (models/*, 11 refining),
-# every captured model that refines (27 configurations of models/capture) and the refining
+# every captured model that refines (27 configurations of models/capture), the refining
 # cases the tests under tests/cases and tests/unit/test_prove_* build (74, up to two per
-# test) still refine. Candidates for removal (the Entangle corpus was not measured).
+# test) and the corpus pairs qwen2 TP2 and TP4, gpt TP2, aws_llama TP4 and TP6 still
+# refine. Candidates for removal.
 NO_CASE: dict[str, str] = {
     "patience": "a step that stops as soon as its best term is plain loses no proof",
-    "carry_ops": "no case keeps a `carried` relation (refine check --stats)",
-    "carry_hops": "no case keeps a `carried` relation",
-    "counterpart_depth": "no later step needs a counterpart offered downstream",
-    "struct_free": "no case keeps a `write_back` relation",
-    "struct_depth": "no case keeps a `write_back` relation; fact chains need none",
-    "write_back_hops": "no case keeps a `write_back` relation",
-    "fact_depth": "the facts' cases (copied KV heads) refine without joining their consequences",
 }
 
 
@@ -158,7 +178,8 @@ def test_every_knob_has_a_case_or_is_a_candidate_for_removal() -> None:
     assert set(USE) | set(NO_CASE) == set(KNOBS)
 
 
-@pytest.mark.parametrize("knob", sorted(USE))
+@pytest.mark.parametrize("knob", [k if USE[k] not in CORPUS_CASES else
+                                  pytest.param(k, marks=[pytest.mark.corpus, pytest.mark.slow]) for k in sorted(USE)])
 def test_a_case_needs_the_knob(knob: str, cases: dict[str, Run]) -> None:
     run = cases[USE[knob]]
     assert run(DEFAULT).refines
