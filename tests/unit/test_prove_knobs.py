@@ -98,6 +98,9 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
                                        "qwen2/paral4_layer1", "qwen2.json"),
         "gpt_tp2": lambda: _imported(tmp_path_factory.mktemp("gpt"), "gpt/paral1_layer1", "gpt/paral2_layer1",
                                      "gpt.json"),
+        # two micro-batches each averaged, then added: twice the sequential loss
+        "grad_accumulation_bug": lambda: _imported(tmp_path_factory.mktemp("acc"), "bug_grad_accumulation/1step",
+                                                   "bug_grad_accumulation/2step.bug", "bug_grad_accumulation.json"),
         "clip_norm_bug_norm_not_all_reduced": lambda: _captured("clip_norm", foreach=False, bug="norm_not_all_reduced"),
         "clip_norm_bug_replicated_norm_all_reduced":
             lambda: _captured("clip_norm", foreach=False, bug="replicated_norm_all_reduced"),
@@ -132,6 +135,13 @@ def test_no_twin_refines_with_a_knob_at_its_smallest(knob: str, cases: dict[str,
     policy = _at(knob, smallest(knob))
     refining = [t for t in TWINS if cases[t](policy).refines]
     assert refining == [], f"{knob}={smallest(knob)} proves a buggy twin: {refining}"
+
+
+@pytest.mark.corpus
+@pytest.mark.slow
+@pytest.mark.parametrize("knob", KNOBS)
+def test_the_corpus_twin_does_not_refine_with_a_knob_at_its_smallest(knob: str, cases: dict[str, Run]) -> None:
+    assert not cases["grad_accumulation_bug"](_at(knob, smallest(knob))).refines
 
 
 # ---------------------------------------------------------------------------------------
