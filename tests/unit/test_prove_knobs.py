@@ -6,8 +6,9 @@
   covered without a change here.
 - Use: each knob has a case that refines at the default policy and not at the knob's
   smallest value (the smallest case found by running the bundled models, the captured
-  models and the cases the tests build with each knob at its smallest value). A knob no
-  case needs is listed in NO_CASE with what was tried: a candidate for removal, not a test.
+  models, the cases the tests build and five Entangle corpus pairs with each knob at its
+  smallest value; the corpus ones are marked `corpus`). A knob no case needs is listed in
+  NO_CASE with what was tried: a candidate for removal, not a test.
 """
 
 from __future__ import annotations
