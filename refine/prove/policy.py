@@ -45,7 +45,8 @@ class Policy:
     # -- the frontier: which rank tensors a step's e-graph holds (refine.prove.frontier) --
     # Uses after a node's inputs' rank tensors that the first try searches: the ranks
     # usually compute a node's counterpart from its inputs' tensors within a few ops
-    # (a local op, then maybe a collective and a view).
+    # (a local op, then maybe a collective and a view). Also the reach of the write-back
+    # retry (refine.prove.walk._write_back), whose structural ops cost no hop.
     near_hops: int = 3
     # The second try's reach, when the near one finds no clean relation: a rank may put
     # more ops between the inputs and the counterpart (a communication that reshapes and
@@ -55,7 +56,8 @@ class Policy:
     # attention never holds softmax), the counterpart of the users lies far downstream in
     # the rank program; searched this many uses deep ...
     deep_hops: int = 24
-    # ... with this many rule iterations (the e-graph holds most of a rank program).
+    # ... with this many rule iterations (the e-graph holds most of a rank program). Not 0:
+    # Engine.step reads 0 iterations as `iterations` (so 0 searches longer, not less).
     deep_iterations: int = 6
     # What a node passes to its users is a term no deeper than this, else an opaque leaf:
     # every walk over a term recurses, and a chain of views of a value no rank tensor
@@ -99,7 +101,7 @@ class Policy:
     # Definitions back, outside that region, that a proof of a copy's form takes (the
     # broadcasts of a positional table the region reads).
     copy_outside: int = 3
-    # Rule iterations of a copy's proof.
+    # Rule iterations of a copy's proof (not 0, which Engine.step reads as `iterations`).
     copy_iterations: int = 12
     # Dims with more unit slices than this over all ranks are not searched for copies:
     # the search is per unit.
