@@ -13,8 +13,10 @@ When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexa
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above
 rounding (`significant`) on concrete inputs that satisfy the relations. `write` stores its
-inputs (raw little-endian bytes and a JSON manifest, no pickle) where `load` and `replay`
-read them back.
+inputs where `load` and `replay` read them back (`refine check --counterexample DIR`):
+`DIR/counterexample.json`, a manifest with the seed, the sizes (and any reduction map) and
+the errors, and one raw little-endian file per tensor, C order; no pickle.
+`replay(seq, dist, registry, load(DIR))` runs both sides on them again.
 
     search = counterexample.search(seq, dist, registry)
     if search.found:

@@ -1,4 +1,15 @@
-"""Verdicts: the data a check produces, printed with rich or as JSON."""
+"""Verdicts: the data a check produces, printed with rich or as JSON.
+
+`refine check --format json` prints `Report.to_dict()`: `verdict` (`REFINES`, `DOES NOT
+REFINE`, `UNPROVEN`, or `BAD INPUT` with `error`), `outputs` (per output its relation,
+expectation, `ok`, `computed`), `culprit` (`node`, `op`, `source`, `rank_node`,
+`rank_source`, `seq_source`, `reason`, `divergence`, ...), `search` (`tries`, `agreed`,
+`counterexample` with `seed`, `sizes` and per-output `abs_err`, `rel_err`), `guesses`,
+`symbols`, `deadlock`, `unverified_rules`, `numerics` (`null` without `--numeric`) and
+`stats` (`stats.strategies`: what `--stats` prints); `BAD INPUT` is written by refine.cli.
+From Python: `report = refine.check_files("seq.json", "dist.json")`; `report.verdict`,
+`report.exit_code`, `report.culprit`, `report.search`, `str(report)`.
+"""
 
 from __future__ import annotations
 
