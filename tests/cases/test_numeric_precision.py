@@ -195,6 +195,7 @@ BUNDLED = ["tp_mlp", "tp_mlp_symbolic", "sp_mlp", "sp_mlp_4ranks", "sp_mlp_symbo
            "tp_attention_4ranks", "tp_attention_symbolic", "vocab_embedding", "vocab_embedding_4ranks"]
 
 
+@pytest.mark.slow  # a family over many cases: the whole suite runs it
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", BUNDLED)
 def test_bundled_correct_cases_get_no_warning(case: str, fmt: str, registry: Registry) -> None:
@@ -216,6 +217,7 @@ CAPTURED = ["tp_mlp", "megatron_mlp", "ddp_mlp", "fsdp_mlp", "dtensor_mlp", "gqa
             "vocab_ce"]
 
 
+@pytest.mark.slow  # a family over many cases: the whole suite runs it
 @pytest.mark.parametrize("name", CAPTURED)
 def test_captured_correct_steps_get_no_warning_in_bf16(name: str) -> None:
     case = captured(name)
@@ -286,6 +288,7 @@ def test_the_tolerance_is_relative_to_the_format(registry: Registry, tmp_path: P
     assert statuses(numeric_check(seq, dist, registry, "fp16")) == {"y": "warn"}
 
 
+@pytest.mark.slow  # a family over many cases: the whole suite runs it
 @pytest.mark.parametrize(("name", "output", "snippet"), [
     # the gradient norm squared before its all-reduce (Megatron's get_grad_norm_fp32, run in fp16)
     ("clip_norm", "fc1.weight.grad", "total_norm = grad_norm ** 2"),

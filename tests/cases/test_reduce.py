@@ -245,6 +245,7 @@ def test_correct_programs_at_large_sizes_still_refine_without_a_search(budget: i
     assert report.verdict == "REFINES" and report.search is None, str(report)
 
 
+@pytest.mark.slow  # 8 ranks and more: the whole suite runs it
 def test_other_world_sizes_reduce_too(budget: int, tmp_path: Path) -> None:
     """Eight ranks: the shards (F/8) and the offsets (r * V/8, seven of them no size of any
     tensor) keep dividing."""

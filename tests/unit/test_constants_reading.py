@@ -127,6 +127,14 @@ def test_the_reading_rounds_back_and_keeps_distinct_floats_distinct() -> None:
 # the family: means over N elements, as literals on one side and rationals on the other
 
 
+def test_a_mean_over_96_meets_its_literal_both_ways(tmp_path: Path) -> None:
+    """The family below in the quick run: 2/96 as a literal against a mean, both ways."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _check(tmp_path / "a", "mean", "literal", 96, 2) and _check(tmp_path / "b", "literal", "mean", 96, 2)
+
+
+@pytest.mark.slow  # a family over many cases: the whole suite runs it
 @pytest.mark.parametrize("n", NS)
 @pytest.mark.parametrize("seq_form,rank_form", [
     ("mean", "literal"), ("mean", "full"), ("mean", "split"),    # the literal on the ranks
