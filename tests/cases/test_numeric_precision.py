@@ -225,6 +225,7 @@ def test_captured_correct_steps_get_no_warning_in_bf16(name: str) -> None:
     assert all(r.status == "ok" for r in results), [(r.output, r.status, r.detail) for r in results]
 
 
+@pytest.mark.slow  # a family over many cases: the whole suite runs it (the lossy twins below stay quick)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(("make", "variant"), CORRECT, ids=[f"{m.__name__}-{v}" for m, v in CORRECT])
