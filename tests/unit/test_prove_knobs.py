@@ -189,6 +189,7 @@ def test_every_knob_has_a_case_or_is_a_candidate_for_removal() -> None:
     assert set(USE) | set(NO_CASE) == set(KNOBS)
 
 
+@pytest.mark.slow  # a check per knob, captured steps among them: the whole suite runs it
 @pytest.mark.parametrize("knob", [k if USE[k] not in CORPUS_CASES else
                                   pytest.param(k, marks=[pytest.mark.corpus, pytest.mark.slow]) for k in sorted(USE)])
 def test_a_case_needs_the_knob(knob: str, cases: dict[str, Run]) -> None:
