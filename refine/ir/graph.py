@@ -131,6 +131,21 @@ class Graph:
     def type_of(self, ref: str) -> TensorType:
         return self.index()[ref].type
 
+    def ancestors(self, *refs: str) -> set[str]:
+        """`refs` and every input and node they are computed from."""
+        idx = self.index()
+        out: set[str] = set()
+        stack = list(refs)
+        while stack:
+            x = stack.pop()
+            if x in out:
+                continue
+            out.add(x)
+            n = idx.get(x)
+            if isinstance(n, Node):
+                stack.extend(n.tensor_args())
+        return out
+
     def users(self) -> dict[str, list[Node]]:
         out: dict[str, list[Node]] = {name: [] for name in self.index()}
         for n in self.nodes:

@@ -208,6 +208,18 @@ def _eval_node(n: Any, env: Mapping[str, Tensor], registry: Registry) -> Tensor:
     return canon(out, n.type.dtype)
 
 
+def run_order(graphs: Mapping[int, Graph], registry: Registry) -> schedule.Schedule:
+    """The order the ranks' communication ops fire in (refine.ops.schedule), or an
+    EvalError: a program that cannot be matched or deadlocks cannot be run."""
+    try:
+        sched = schedule.simulate(graphs, registry)
+    except schedule.ScheduleError as e:
+        raise EvalError(str(e)) from None
+    if sched.stuck:
+        raise EvalError(f"deadlock: {sched}")
+    return sched
+
+
 def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
                inputs: Mapping[int, Mapping[str, Tensor]], arith: Arith = EXACT,
                override: Mapping[tuple[int, str], Tensor] | None = None) -> dict[int, dict[str, Tensor]]:
@@ -224,12 +236,7 @@ def eval_ranks(graphs: Mapping[int, Graph], registry: Registry,
             if i.name not in inputs.get(r, {}):
                 raise EvalError(f"rank {r}: no value for input {i.name!r}")
             env[r][i.name] = arith.store(canon(inputs[r][i.name], i.type.dtype), i.type.dtype)
-    try:
-        sched = schedule.simulate(graphs, registry)
-    except schedule.ScheduleError as e:
-        raise EvalError(str(e)) from None
-    if sched.stuck:
-        raise EvalError(f"deadlock: {sched}")
+    sched = run_order(graphs, registry)
     pos = {r: 0 for r in graphs}
 
     def run_to(r: int, index: int) -> None:

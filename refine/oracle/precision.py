@@ -75,7 +75,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from refine.ir.graph import Dist, Graph, Node, case_symbols
-from refine.ops import schedule
 from refine.ops.interp import (
     EXACT,
     Arith,
@@ -91,6 +90,7 @@ from refine.ops.interp import (
     instantiate,
     max_err,
     random_inputs,
+    run_order,
     valuation,
 )
 from refine.ops.registry import Registry, load_registry
@@ -164,12 +164,7 @@ def dataflow(graphs: Mapping[int, Graph], registry: Registry) -> list[tuple[int,
     the rank tensors (rank, name) it reads, a communication op its partners' too, and the
     number of values it sums: the group size of a sum or mean all_reduce or reduce_scatter,
     else 0."""
-    try:
-        sched = schedule.simulate(graphs, registry)
-    except schedule.ScheduleError as e:
-        raise EvalError(str(e)) from None
-    if sched.stuck:
-        raise EvalError(f"deadlock: {sched}")
+    sched = run_order(graphs, registry)
     out: list[tuple[int, Node, list[tuple[int, str]], int]] = []
     pos = {r: 0 for r in graphs}
 

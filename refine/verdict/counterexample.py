@@ -299,21 +299,8 @@ def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max
 
 def _feeds_outputs(dist: Dist) -> set[str]:
     """Rank node names some rank output depends on."""
-    out: set[str] = set()
-    for g in dist.ranks.values():
-        index = g.index()
-        todo = [o.ref for o in g.outputs]
-        seen: set[str] = set()
-        while todo:
-            x = todo.pop()
-            if x in seen:
-                continue
-            seen.add(x)
-            n = index.get(x)
-            if isinstance(n, Node):
-                out.add(x)
-                todo.extend(n.tensor_args())
-    return out
+    return {x for g in dist.ranks.values() for x in g.ancestors(*(o.ref for o in g.outputs))
+            if isinstance(g.index().get(x), Node)}
 
 
 def _chain(g: Graph, name: str, explained: set[str]) -> list[tuple[str, str | None]]:

@@ -62,7 +62,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     refs = {o.name: o.ref for o in core.outputs}
     ancestors: set[str] = set()
     for r in failing:
-        ancestors |= _ancestors(core, refs[r.name])
+        ancestors |= core.ancestors(refs[r.name])
     unclean = sorted((n for n in ancestors if n in order and not inf.clean.get(n, True)), key=order.get)
     first = failing[0]
     limit = order[unclean[0]] if unclean else max(order.get(refs[r.name], -1) for r in failing)
@@ -93,7 +93,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
         else:
             reason = (f"a collective sums copies of one tensor ({did}, over {prog.defs[rank_node]}): every rank "
                       f"holds a multiple of the value from here on, {inf.relations[name]}")
-        first = next((r for r in failing if name in _ancestors(core, refs[r.name])), first)
+        first = next((r for r in failing if name in core.ancestors(refs[r.name])), first)
     elif unclean:
         node = core.index()[unclean[0]]
         reason = UNCLEAN
@@ -490,18 +490,3 @@ def _breaks_partial(linear: str, is_piece: list[bool]) -> bool:
     if linear == "first":
         return k > 1 or not is_piece[0]
     return True
-
-
-def _ancestors(g: Graph, ref: str) -> set[str]:
-    idx = g.index()
-    out: set[str] = set()
-    stack = [ref]
-    while stack:
-        x = stack.pop()
-        if x in out:
-            continue
-        out.add(x)
-        n = idx.get(x)
-        if n is not None and hasattr(n, "args"):
-            stack.extend(n.tensor_args())  # type: ignore[union-attr]
-    return out
