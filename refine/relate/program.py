@@ -416,8 +416,23 @@ def term_type(t: Term, prog: DistProgram, registry: Registry) -> TensorType:
         return prog.opaque[t.attrs[0]]
     ins = [term_type(a, prog, registry) for a in t.args]
     op = registry.ops[t.op]
+    if op.kind == "elementwise":
+        ins = _constant_dtypes(t, ins)
     attrs = {k: v for (k, _), v in zip(op.attrs, t.attrs, strict=False)}
     return op.shape(ins, attrs)
+
+
+def _constant_dtypes(t: Term, ins: list[TensorType]) -> list[TensorType]:
+    """A `full` term holds no dtype (the e-graph's constants are dtype-less) and alone reads
+    as float32; beside a typed operand of an elementwise op it has that operand's dtype, as
+    the lowering made it (rules/elementwise.py `_operand`): `where_t(c, ids, full(0))` over
+    integer ids is integer. The operands that share a dtype: where_t's two branches,
+    masked_fill_t's none (its mask is boolean), every other elementwise op's all."""
+    group = (1, 2) if t.op == "where_t" else () if t.op == "masked_fill_t" else range(len(ins))
+    typed = [ins[i].dtype for i in group if t.args[i].op != "full"]
+    if not typed:
+        return ins
+    return [replace(x, dtype=typed[0]) if i in group and t.args[i].op == "full" else x for i, x in enumerate(ins)]
 
 
 def _check_shape(term: Term, want: TensorType, prog: DistProgram, registry: Registry, file: str,
