@@ -178,9 +178,7 @@ CORPUS_CASES = {"qwen2_tp2", "qwen2_tp4", "gpt_tp2"}  # 3-10 s a check
 # cases the tests under tests/cases and tests/unit/test_prove_* build (74, up to two per
 # test) and the corpus pairs qwen2 TP2 and TP4, gpt TP2, aws_llama TP4 and TP6 still
 # refine. Candidates for removal.
-NO_CASE: dict[str, str] = {
-    "patience": "a step that stops as soon as its best term is plain loses no proof",
-}
+NO_CASE: dict[str, str] = {}
 
 
 def test_every_knob_has_a_case_or_is_a_candidate_for_removal() -> None:
