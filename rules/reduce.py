@@ -91,6 +91,18 @@ def _reduce(core: str, mean: bool = False):
     return decompose
 
 
+def _any(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    """Whether any element over dims is nonzero: the max over them of x != 0 (a boolean
+    max is an or), so it splits over shards as amax does."""
+    (x,) = args
+    assert isinstance(x, str)
+    typ = b.type(x)
+    y = x if typ.dtype == "bool" else b.emit("ne_t", [x, b.const(0, typ.shape, typ.dtype)], {})
+    for d in _dims(attrs, len(typ.shape)):
+        y = b.emit("rmax", [y], {"dim": d})
+    return b.view(y, out.shape)
+
+
 def _logsumexp(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
     (x,) = args
     shape = b.type(x).shape
@@ -125,6 +137,9 @@ OPS = [
     Op("amax", 1, _user_shape, (("dim", "dims?"), ("keepdim", "bool?")),
        ref=lambda x, dim=None, keepdim=False: x.amax(dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
        decompose=_reduce("rmax")),
+    Op("any", 1, lambda ins, a: TensorType(_user_shape(ins, a).shape, "bool"), (("dim", "dims?"), ("keepdim", "bool?")),
+       ref=lambda x, dim=None, keepdim=False: x.bool().amax(dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
+       decompose=_any, doc="whether any element over dims is nonzero"),
     Op("logsumexp", 1, _user_shape, (("dim", "dims?"), ("keepdim", "bool?")),
        ref=lambda x, dim=None, keepdim=False: torch.logsumexp(x, dim=dim or tuple(range(x.ndim)), keepdim=keepdim),
        decompose=_logsumexp),

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch.fx.experimental.proxy_tensor import PythonKeyTracer, get_proxy_mode, make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
 from refine.frontends.capture.aten import DECOMPOSITIONS
@@ -246,7 +247,10 @@ def trace_step(step: Step, where: str) -> Traced:
     args = ([local.traced(n, p) for n, p in params.items()], [local.traced(n, b) for n, b in buffers.items()],
             [local.traced(n, x) for n, x in inputs.items()])
     try:
-        with _recording_sources(), _marking_batches():
+        # scaled_dot_product_attention by its math backend: the fused CPU kernel's backward
+        # is one aten op with no decomposition, while the math backend is the reference
+        # written in differentiable ops, so autograd traces the backward as ops refine knows
+        with _recording_sources(), _marking_batches(), sdpa_kernel([SDPBackend.MATH]):
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
                          record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
     except CaptureError:
