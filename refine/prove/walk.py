@@ -306,6 +306,12 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         if res.clean and depth(res.best) <= policy.term_depth:
             clean[n.name] = True
             down[n.name] = res.best
+        elif not leaves and OPAQUE not in ops and depth(term) <= policy.term_depth:
+            # computed from constants alone (a range cast to float for rotary positions, a
+            # mask built from ranges): the term is the value itself, the same on every rank,
+            # and no rank tensor is needed to state it; its users see it as it is
+            clean[n.name] = True
+            down[n.name] = term
         elif OPAQUE not in ops and ((n.op in fusing and not over_fused) or (over_fused and n.op in _PASS_FUSED)) \
                 and depth(term) <= policy.term_depth:
             # its users see the op over its inputs' relations; left out of `clean`: whether

@@ -188,8 +188,8 @@ class Lin(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc(x)
-        if self.mode == "cumsum":
-            y = torch.cumsum(y, 0)
+        if self.mode == "cumprod":
+            y = torch.cumprod(y, 0)
         if self.mode == "branch" and y.sum() > 0:
             y = y * 2
         if self.mode == "extra_reduce" and self.rank == 1:
@@ -327,7 +327,7 @@ def test_collectives_map_with_group_ranks() -> None:
 
 
 @pytest.mark.parametrize("mode,words", [
-    ("cumsum", ["aten.cumsum.default", "FX node 'cumsum'", "unknown op"]),
+    ("cumprod", ["aten.cumprod.default", "FX node 'cumprod'", "unknown op"]),
     ("branch", ["data-dependent control flow"]),
 ])
 def test_untraceable_or_unknown_code_is_refused_at_its_line(mode: str, words: list[str]) -> None:
@@ -335,7 +335,7 @@ def test_untraceable_or_unknown_code_is_refused_at_its_line(mode: str, words: li
         capture(spec(lambda r: Lin(mode=mode), seq_model=Lin(mode=mode)))
     for w in words:
         assert w in str(e.value)
-    snippet = "torch.cumsum(y, 0)" if mode == "cumsum" else "y.sum() > 0"
+    snippet = "torch.cumprod(y, 0)" if mode == "cumprod" else "y.sum() > 0"
     assert e.value.source == line_of(HERE, snippet)
 
 

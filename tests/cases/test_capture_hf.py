@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.capture import load_model, wrong_numerically
 
@@ -116,3 +117,54 @@ def test_o_proj_partial_twin_does_not_refine(twin: capture.Case, backward: bool)
     assert (c.op, c.source) == ("add", residual_add), c
     assert c.rank_source == residual_add and "partial sum" in c.reason, c
     assert any("@0 + " in rel and "@1" in rel for _, rel in c.inputs), c.inputs
+
+
+# ---------------------------------------------------------------------------------------
+# the model called as most users call it: no mask, no positions (transformers builds the
+# causal mask from its packed-sequence ids, a `cumsum` over position breaks looked up by
+# (batch, query) pairs, and the rotary positions from `arange().float()`)
+
+
+def _default_masks_case(attn: str, bug: str | None = None) -> capture.Spec:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+
+    from refine.frontends.capture.hf import float64_reference, tensor_parallel
+
+    def step(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with float64_reference():
+            out = model(input_ids=input_ids, labels=labels, use_cache=False)
+        out.loss.backward()
+        return out.loss
+
+    torch.manual_seed(0)
+    config = LLAMA.config(1)
+    config._attn_implementation = attn
+    seq = LlamaForCausalLM(config)
+    inputs = {"input_ids": torch.randint(0, LLAMA.VOCAB, (LLAMA.B, LLAMA.T)),
+              "labels": torch.randint(0, LLAMA.VOCAB, (LLAMA.B, LLAMA.T))}
+
+    def rank(r: int) -> capture.Step:
+        mesh = init_device_mesh("cpu", (2,))
+        return capture.Step(tensor_parallel(seq, mesh, LLAMA._plan(seq, bug)), step, inputs)
+
+    return capture.Spec(capture.Step(seq, step, inputs), rank, world_size=2, mesh={"tp": 2},
+                        name=f"hf_llama_default_masks_{attn}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_llama_with_default_masks_refines(attn: str) -> None:
+    case = capture(_default_masks_case(attn))
+    assert {"cumsum", "index_rows"} <= {n.op for n in case.seq.nodes}  # the mask is built, not passed
+    assert wrong_numerically(case) == set()
+    report = case.check()
+    assert report.verdict == "REFINES", report
+
+
+@pytest.mark.slow
+def test_llama_with_default_masks_o_proj_partial_twin_is_found() -> None:
+    case = capture(_default_masks_case("sdpa", bug="o_proj_partial"))
+    assert "loss" in wrong_numerically(case)
+    report = case.check()
+    assert report.verdict == "DOES NOT REFINE", report

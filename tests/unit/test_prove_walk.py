@@ -4,6 +4,8 @@ the program says the same to every walk, in any order."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from refine.check import engine_for
@@ -40,3 +42,37 @@ def test_walks_leave_the_frozen_program_as_it_was(case: str) -> None:
         prog.add_fact(leaf("a@0"), leaf("a@1"))
     # an unclean node's users saw an opaque leaf: recorded in the walk's view only
     assert all(first.clean.values()) or first.program.opaque
+
+
+def _positions_case(tmp_path: Path, scale: float) -> tuple[Path, Path]:
+    """x * float(arange(S)) with x's rows sharded: the positions are computed from constants
+    alone, on every rank alike (a rotary table's `arange().float()`); a rank that scales
+    them by `scale` computes something else."""
+    from refine.frontends.build import GraphBuilder, dist_doc, seq_doc, write_case
+
+    rows, S, world = 4, 6, 2
+
+    def program(g: GraphBuilder, n: int, k: float) -> None:
+        x = g.input("x", [n, S])
+        pos = g.op("cast", g.op("arange", end=S), dtype="float32")
+        if k != 1:
+            pos = g.op("mul", pos, k)
+        g.output("y", g.op("mul", x, g.op("expand", g.op("reshape", pos, shape=[1, S]), shape=[n, S])))
+
+    s = GraphBuilder()
+    program(s, rows, 1)
+    ranks = {}
+    for r in range(world):
+        ranks[r] = GraphBuilder()
+        program(ranks[r], rows // world, scale)
+    write_case(tmp_path, seq_doc(s), dist_doc({"dp": world}, ranks, [{"from": "x", "placements": ["Shard(0)"]}],
+                                             [{"output": "y", "placements": ["Shard(0)"]}]))
+    return tmp_path / "seq.json", tmp_path / "dist.json"
+
+
+def test_a_tensor_of_constants_alone_is_its_own_relation(tmp_path: Path) -> None:
+    from refine.check import check_files
+
+    assert check_files(*_positions_case(tmp_path / "right", 1)).verdict == "REFINES"
+    wrong = check_files(*_positions_case(tmp_path / "wrong", 2.0))
+    assert wrong.verdict == "DOES NOT REFINE", str(wrong)

@@ -29,7 +29,7 @@ from torch._decomp import core_aten_decompositions
 
 from refine.frontends.capture.errors import CaptureError
 from refine.frontends.capture.foreach import FOREACH_DECOMPOSITIONS
-from refine.ir.graph import Arg, TensorType
+from refine.ir.graph import Arg, TensorType, value_class
 
 DECOMPOSITIONS = core_aten_decompositions()
 # foreach ops: one op per tensor (refine.frontends.capture.foreach)
@@ -173,21 +173,82 @@ def _copy(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     return em.emit("expand_as_shape", [src], {"shape": list(_out_shape(em, node))})
 
 
-def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
-    """index_put(self, [index], values, accumulate): refine's takes one index tensor, over dim 0."""
-    idx = a["indices"]
-    if len(idx) != 1 or idx[0] is None:
-        raise em.fail(f"index_put with indices {idx}: refine's index_put takes one index tensor, over dim 0")
-    args = [em.value(a["self"]), em.value(idx[0]), em.value(a["values"])]
-    return em.emit("index_put", args, {"accumulate": bool(a.get("accumulate", False))})
+class _Rows:
+    """Torch's advanced indexing of x by integer tensors at `dims` as one row lookup: x with
+    the indexed dims moved to the front and merged (`table`), and the flat row index
+    sum_t idx_t * stride_t (row-major over those dims, the index tensors broadcast to
+    `bshape`). The result of x[indices] is `table[flat]` with its dims put where torch puts
+    them (`back`): the indices' broadcast shape in place of the indexed dims when they are
+    adjacent, in front of the others when they are apart."""
+
+    def __init__(self, em: EmitterAPI, x: str, indices: list[Any]) -> None:
+        shape = em.type(x).shape
+        self.dims = [d for d, t in enumerate(indices) if t is not None]
+        if not self.dims:
+            raise em.fail("advanced indexing with no index tensor")
+        refs = [em.value(indices[d]) for d in self.dims]
+        for r in refs:
+            if value_class(em.type(r).dtype) != "int":
+                raise em.fail(f"indexing by a {em.type(r).dtype} tensor: refine maps integer index tensors (a "
+                              "boolean mask selects a data-dependent number of elements)")
+        self.bshape = tuple(torch.broadcast_shapes(*(em.type(r).shape for r in refs)))
+        flat: Arg | None = None
+        for d, r in zip(self.dims, refs, strict=True):
+            if len(refs) > 1 and em.type(r).shape != self.bshape:
+                r = em.emit("expand_as_shape", [r], {"shape": list(self.bshape)}, final=False, suffix="index_b")
+            flat = r if flat is None else em.emit(
+                "add", [em.emit("mul", [flat, shape[d]], {}, final=False, suffix="index_s"), r], {}, final=False,
+                suffix="index_f")
+        assert isinstance(flat, str)
+        self.flat = flat
+        self.others = [d for d in range(len(shape)) if d not in self.dims]
+        self.order = self.dims + self.others
+        self.shape = shape
+        moved = x if self.order == list(range(len(shape))) else \
+            em.emit("permute", [x], {"dims": self.order}, final=False, suffix="index_p")
+        rows = [math.prod(shape[d] for d in self.dims)] + [shape[d] for d in self.others]
+        self.table = moved if len(self.dims) == 1 else \
+            em.emit("reshape", [moved], {"shape": rows}, final=False, suffix="index_t")
+        k, nb = self.dims[0], len(self.bshape)
+        adjacent = self.dims == list(range(k, self.dims[-1] + 1))
+        # the picked rows are [bshape..., others...]; torch puts bshape after the dims before
+        # the indexed ones when those are adjacent
+        self.back = None if not adjacent or k == 0 else \
+            [nb + i for i in range(k)] + list(range(nb)) + [nb + i for i in range(k, len(self.others))]
 
 
 def _index(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
-    """index(self, [idx]): one index tensor over dim 0 is refine's index_rows (x[idx])."""
-    idx = a["indices"]
-    if len(idx) != 1 or idx[0] is None:
-        raise em.fail(f"index with indices {idx}: refine maps one index tensor, over dim 0")
-    return em.emit("index_rows", [em.value(a["self"]), em.value(idx[0])], {})
+    """index(self, indices): x[idx] over dim 0 is refine's index_rows; any other integer
+    advanced indexing is one index_rows over the indexed dims merged (_Rows)."""
+    rows = _Rows(em, em.value(a["self"]), list(a["indices"]))  # type: ignore[arg-type]
+    if rows.back is None:
+        return em.emit("index_rows", [rows.table, rows.flat], {})
+    picked = em.emit("index_rows", [rows.table, rows.flat], {}, final=False, suffix="index_r")
+    return em.emit("permute", [picked], {"dims": rows.back})
+
+
+def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
+    """index_put(self, indices, values, accumulate): refine's index_put over dim 0 of the
+    indexed dims merged (_Rows), values laid out as the rows the lookup would pick, the
+    result's dims moved back."""
+    x = em.value(a["self"])
+    rows = _Rows(em, x, list(a["indices"]))  # type: ignore[arg-type]
+    acc = {"accumulate": bool(a.get("accumulate", False))}
+    if rows.dims == [0]:
+        return em.emit("index_put", [x, rows.flat, em.value(a["values"])], acc)
+    picked = list(rows.bshape) + [rows.shape[d] for d in rows.others]
+    seen = picked if rows.back is None else [picked[i] for i in rows.back]  # x[indices]'s shape
+    v = em.value(a["values"])
+    if em.type(v).shape != tuple(seen):
+        v = em.emit("expand_as_shape", [v], {"shape": seen}, final=False, suffix="index_v")
+    if rows.back is not None:  # into the picked rows' layout
+        v = em.emit("permute", [v], {"dims": [rows.back.index(i) for i in range(len(rows.back))]}, final=False,
+                    suffix="index_vp")
+    put = em.emit("index_put", [rows.table, rows.flat, v], acc, final=False, suffix="index_put")
+    if rows.order == list(range(len(rows.shape))):
+        return em.emit("reshape", [put], {"shape": list(rows.shape)})
+    whole = em.emit("reshape", [put], {"shape": [rows.shape[d] for d in rows.order]}, final=False, suffix="index_w")
+    return em.emit("permute", [whole], {"dims": [rows.order.index(i) for i in range(len(rows.order))]})
 
 
 def _dim(d: int, ndim: int) -> int:
