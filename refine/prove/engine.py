@@ -64,7 +64,7 @@ from refine.prove.reuse import Premises, StepResult
 from refine.relate.program import DistProgram, term_type
 
 CLEAN_OPS = {"D", "Out"}
-# How long a step searches (Policy.iterations, flood) is the search policy's
+# How long a step searches (Policy.iterations, patience, flood) is the search policy's
 # (refine.prove.policy); what it may spend whatever the search is bounded here.
 # Every step, early stop or not, is bounded in what it may hold and do (_Budget). Between
 # iterations it stops when its e-graph holds more than NODE_BUDGET e-nodes (rows of all its
@@ -258,7 +258,7 @@ class Engine:
         Leaf names only say which tensors are the same, so a step is run on its program
         with the names replaced by their order of appearance, and its result is kept under
         that text: a repeated layer (same ops, shapes and relations over other tensors) is
-        proven once and its result renamed, not recomputed. `early`: it may stop early (once its best term is plain, Engine._plain).
+        proven once and its result renamed, not recomputed. `early`: it may stop early (Policy.patience).
         `both`: the checks are put in the e-graph too, so rules rewrite them as well (an
         equality of two terms that each only reduce to a common form, refine.prove.copies);
         otherwise a check holds when saturation makes `seq`'s class reach it."""
@@ -349,7 +349,7 @@ class Engine:
 
     def _saturate(self, iterations: int, early: bool,
                   eg: bindings.EGraph) -> tuple[Counter[str], bindings.ExtractBest, bool]:
-        """Run up to `iterations` rule iterations (see Policy.iterations and NODE_BUDGET); the
+        """Run up to `iterations` rule iterations (see Policy.patience and NODE_BUDGET); the
         rules' matches, the target's best term and whether the budget stopped it."""
         fired: Counter[str] = Counter()
         policy = self.policy
@@ -367,7 +367,7 @@ class Engine:
                     best, since = out, 0
                 else:
                     since += 1
-                if best.cost < COMPUTE and (self._plain(best) or since >= 1 and matches > policy.flood):
+                if best.cost < COMPUTE and (since >= policy.patience and self._plain(best) or since >= 1 and matches > policy.flood):
                     break
             if not report.updated:
                 break

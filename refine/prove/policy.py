@@ -30,11 +30,14 @@ class Policy:
     # and every iteration grows the e-graph. Enough for the op chains one sequential node
     # meets over rank tensors; too few and such a chain stays unproven.
     iterations: int = 14
-    # A step stops before `iterations` as soon as its target's best term is plain (rank
-    # tensors in concats and sums, Engine._plain): most steps are proven in a few iterations
-    # and the rest of the bound only grows the e-graph (most of a step's time); waiting a
-    # few more iterations for a cheaper term changed no relation on any case measured. A
-    # step with checks runs the whole bound: what it must prove is not its cheapest term.
+    # A step stops before `iterations` once its target's best term is plain (rank tensors in
+    # concats and sums) and has not got cheaper for this many iterations: most steps are
+    # proven in a few iterations and the rest of the bound only grows the e-graph (most of
+    # a step's time). A step with checks runs the whole bound: what it must prove is not
+    # its cheapest term. No verdict measured needs the wait, but a culprit can: a node
+    # proven a few iterations later (a count of kept targets related through not(==) = !=)
+    # is clean, so the culprit is the op after it, the line at fault.
+    patience: int = 3
     # An iteration with more rule matches than this that made the clean best term no
     # cheaper ends the step too, plain or not: associative-commutative regrouping (sums of
     # many like terms) keeps matching without producing anything cheaper, and each further

@@ -65,7 +65,7 @@ def test_a_bug_in_a_repeated_layer_is_still_found(tmp_path: Path) -> None:
 
 
 def test_early_stop_keeps_the_relations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A step stopped early (as soon as its best term is plain)
+    """A step stopped early (Policy.patience: a plain best term that no longer gets cheaper)
     proves what the whole iteration bound proves, with fewer rule matches: over 8 ranks
     (balanced concats of 8 pieces) the relations and the verdict are the same."""
     seq, dist = _stacked_tp_mlp(tmp_path, layers=2, world=8)
