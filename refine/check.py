@@ -386,6 +386,9 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     standard = expectation_options(dist, name, ndim, made)
     if standard is not None:
         options = [(pl, [_as_out(t) for t in ts]) for pl, ts in standard]
+        # how the ranks' copies are made from what the relation names (as _explicit does)
+        copies = sorted({prog.outputs.get(x, x) for _, ts in standard for t in ts for x in t.leaves()})
+        tensors += [x for x in structural_ancestry(prog, copies, engine.policy.expect_hops) if x not in set(tensors)]
         res = engine.step(rel, prog, registry, tensors, checks=[t for _, ts in options for t in ts])
         got, i = None, 0
         for pl, ts in options:
