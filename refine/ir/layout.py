@@ -44,8 +44,9 @@ def placed_terms(name_at: Callable[[int], str], placements: tuple[Placement, ...
             parts = [build(axis + 1, coords + (c,)) for c in range(mesh.axes[axis][1])]
             if p.kind == "shard":
                 return cat(parts, p.dim)  # type: ignore[arg-type]
-            if p.reduce == "avg":  # the mean of the ranks' values (only the checker's default asks this)
-                return scale(nary("Sum", parts), Fraction(1, len(parts)))
+            if p.reduce == "avg":  # the mean of the ranks' values (only the checker's default asks this),
+                # as the sum of the scaled values: the form the rules distribute a scale into
+                return nary("Sum", [scale(x, Fraction(1, len(parts))) for x in parts])
             return nary("Max" if p.reduce == "max" else "Sum", parts)
 
         out.append(build(0, ()))

@@ -7,8 +7,9 @@ silently: a rank scaling a gradient in a hook REFINED, and a correct program tha
 synchronises its gradients from hooks did not. Now they are registered again on the leaves
 and traced. Module hooks (forward, forward-pre, full backward, global) run inside the traced
 call and are traced with it. What cannot be traced is refused with its name: data-parallel
-wrappers whose communication runs from hooks the trace cannot see (DistributedDataParallel,
-fully_shard), hooks held on a parameter's gradient accumulator, gradient hooks on data inputs.
+wrappers whose communication runs from hooks the trace cannot see (fully_shard, a
+DistributedDataParallel inside a model), hooks held on a parameter's gradient accumulator,
+gradient hooks on data inputs.
 """
 
 from __future__ import annotations
@@ -190,30 +191,33 @@ def test_a_global_module_hook_is_traced() -> None:
 # refused: what the trace cannot see
 
 
-def ddp_spec() -> capture.Spec:
+def nested_ddp_spec() -> capture.Spec:
+    """A DDP wrapper inside the rank's model (a model that is a DDP is captured through
+    refine.frontends.capture.ddp: tests/cases/test_capture_ddp.py)."""
     torch.manual_seed(0)
     seq, x = nn.Module(), torch.randn(B, H)
-    seq.module = MLP()  # the names DDP gives: module.fc1.weight, ...
+    seq.inner = MLP()
 
     def seq_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return step(model.module, x)
+        return step(model.inner, x)
 
     def rank(r: int) -> capture.Step:
         model = MLP()
-        model.load_state_dict(seq.module.state_dict())
-        ddp = nn.parallel.DistributedDataParallel(model)
-        return capture.Step(ddp, step, {"x": capture.shard(x[r * 2:(r + 1) * 2], 0)})
+        model.load_state_dict(seq.inner.state_dict())
+        outer = nn.Module()
+        outer.inner = nn.parallel.DistributedDataParallel(model)
+        return capture.Step(outer, seq_step, {"x": capture.shard(x[r * 2:(r + 1) * 2], 0)})
 
     return capture.Spec(capture.Step(seq, seq_step, {"x": x}), rank, world_size=2)
 
 
-def test_distributed_data_parallel_is_refused_by_name() -> None:
+def test_distributed_data_parallel_inside_a_model_is_refused_by_name() -> None:
     """DDP's reducer all-reduces from hooks on the parameters' gradient accumulators, in C++:
-    the trace would drop them (a correct DDP program and a no_sync bug got one report)."""
+    inside a model the trace would drop them."""
     with pytest.raises(CaptureError) as e:
-        capture(ddp_spec())
+        capture(nested_ddp_spec())
     text = str(e.value)
-    assert "rank 0: the model is a torch.nn.parallel.DistributedDataParallel" in text
+    assert "rank 0: module 'inner' is a torch.nn.parallel.DistributedDataParallel" in text
     assert "all-reduces the gradients" in text and "dist.all_reduce(p.grad" in text
 
 

@@ -53,7 +53,8 @@ Not covered: interleaved (virtual) pipeline stages and micro-batch schedules (1F
 pipeline stages that are also tensor parallel (a tensor only some ranks hold must be held
 whole). `isend`/`irecv` count as blocking where issued (their waits are not traced).
 
-Framework glue: refine.frontends.capture.megatron (Megatron-core),
+Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
+itself to a DDP-wrapped model), refine.frontends.capture.megatron (Megatron-core),
 refine.frontends.capture.dtensor (`parallelize_module`), refine.frontends.capture.hf
 (transformers' `tp_plan`).
 """

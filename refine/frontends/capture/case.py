@@ -359,9 +359,15 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
     with_loss = [r for r, rk in sorted(ranks.items()) if rk.traced.has_loss]
     if not with_loss:
         raise CaptureError("no rank's step returns the loss (each returned None)")
-    out: list[dict[str, Any]] = [{"output": "loss", "placements": ["Replicate"] * len(mesh)}
-                                 if len(with_loss) == len(ranks) else
-                                 {"output": "loss", "layout": [f"loss@{r}" for r in with_loss]}]
+    if len(with_loss) == len(ranks) and any(rk.traced.ddp for rk in ranks.values()):
+        # a DDP rank's loss is its batch shard's; DDP averages the gradients, so the loss is
+        # the ranks' mean (or, when the step averages it for logging, the same on each)
+        notes.append("loss: each DistributedDataParallel rank returns its own batch shard's; checked by the default "
+                     "(Replicate, the ranks' mean, ...)")
+        out: list[dict[str, Any]] = []
+    else:
+        out = [{"output": "loss", "placements": ["Replicate"] * len(mesh)} if len(with_loss) == len(ranks) else
+               {"output": "loss", "layout": [f"loss@{r}" for r in with_loss]}]
     for p in seq_tr.no_grad:
         notes.append(f"parameter {p!r} requires grad but gets none in the sequential step: no gradient output")
     for p in seq_tr.grads:

@@ -14,9 +14,11 @@ and are traced with it. Gradient hooks on a parameter (`register_hook`,
 `register_post_accumulate_grad_hook`) belong to the parameter object, which the trace
 replaces by a fresh leaf: they are registered again on the leaf, so they are traced too.
 What cannot be followed is refused, never dropped: wrappers that communicate from hooks on
-the parameters' gradient accumulators (DistributedDataParallel, FSDP, fully_shard,
-replicate), any hook on a parameter's gradient accumulator, and gradient hooks on buffers
-or data inputs (the trace gives them no gradient).
+the parameters' gradient accumulators (FSDP, fully_shard, replicate, a DDP inside the
+model), any hook on a parameter's gradient accumulator, and gradient hooks on buffers or
+data inputs (the trace gives them no gradient). A model that is itself a
+DistributedDataParallel is traced through refine.frontends.capture.ddp, which writes its
+reducer's averaging into the trace.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
 from refine.frontends.capture.aten import DECOMPOSITIONS
+from refine.frontends.capture.ddp import DDPSync
 from refine.frontends.capture.errors import CaptureError
 
 _TORCH = str(Path(torch.__file__).resolve().parent)
@@ -72,6 +75,9 @@ class Traced:
     annotations: dict[str, Any]  # graph input name -> refine.frontends.capture.annotate.Annotation
     grad_annotations: dict[str, Any] = field(default_factory=dict)  # parameter -> its gradient's (DTensor) placement
     has_loss: bool = True  # False: the step returned None (the outputs are the gradients only)
+    # the step ran under DistributedDataParallel: its loss is its own batch shard's, and DDP's
+    # gradient averaging makes the ranks' mean the objective (refine.frontends.capture.ddp)
+    ddp: bool = False
 
 
 @contextmanager
@@ -206,6 +212,9 @@ def trace_step(step: Step, where: str) -> Traced:
     model = step.model
     if not isinstance(model, nn.Module):
         raise CaptureError(f"{where}: Step.model must be a torch.nn.Module, got {type(model).__name__}")
+    ddp = DDPSync.of(model, where)  # torch's DistributedDataParallel: the module it wraps is traced
+    if ddp is not None:
+        model = ddp.module
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     inputs = dict(step.inputs)
@@ -214,7 +223,7 @@ def trace_step(step: Step, where: str) -> Traced:
             raise CaptureError(f"{where}: input {name!r} is a {type(v).__name__}, not a tensor")
         if name in params or name in buffers:
             raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
-    refuse_untraceable_hooks(model, buffers, inputs, where)
+    refuse_untraceable_hooks(model, buffers, inputs, where, ddp.managed() if ddp is not None else set())
     grads: list[str] = []
     no_grad: list[str] = []
     has_loss: list[bool] = []
@@ -226,9 +235,11 @@ def trace_step(step: Step, where: str) -> Traced:
                   for n, v in zip(params, p_vals, strict=True)}
         for n, leaf in leaves.items():
             copy_grad_hooks(params[n], leaf)
+        if ddp is not None:
+            ddp.hook(leaves)
         state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
-        with _reparametrize_module(model, state, tie_weights=True):
-            loss = step.step(model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
+        with _reparametrize_module(model, state, tie_weights=True), ddp.forwarding() if ddp is not None else nullcontext():
+            loss = step.step(step.model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
         if loss is None and where != "the sequential step":
             out = []  # a pipeline stage without the loss
         elif not isinstance(loss, torch.Tensor):
@@ -262,7 +273,7 @@ def trace_step(step: Step, where: str) -> Traced:
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
-                  local.grad_annotations, has_loss[-1])
+                  local.grad_annotations, has_loss[-1], ddp is not None)
 
 
 # ---------------------------------------------------------------------------------------
@@ -313,9 +324,11 @@ _SYNC_ADVICE = ("capture traces fresh parameters, where that communication would
 
 
 def refuse_untraceable_hooks(model: nn.Module, buffers: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-                             where: str) -> None:
+                             where: str, managed: set[str] = frozenset()) -> None:  # type: ignore[assignment]
     """Refuse what the trace would silently drop: data-parallel wrappers, hooks held on a
-    parameter's gradient accumulator, gradient hooks on tensors that get no gradient."""
+    parameter's gradient accumulator (but on the `managed` parameters, whose reducer hooks
+    refine.frontends.capture.ddp writes into the trace), gradient hooks on tensors that get
+    no gradient."""
     for path, m in model.named_modules():
         at = f"module {path!r}" if path else "the model"
         for mod_name, cls_name, does in _WRAPPERS:
@@ -330,7 +343,7 @@ def refuse_untraceable_hooks(model: nn.Module, buffers: dict[str, torch.Tensor],
                 raise CaptureError(f"{where}: {at} is wrapped by torch.distributed's composable {api}(), which "
                                    f"communicates from hooks on the parameters; " + _SYNC_ADVICE)
     for name, p in model.named_parameters():
-        if p.requires_grad and _accumulator_held(p):
+        if p.requires_grad and name not in managed and _accumulator_held(p):
             raise CaptureError(
                 f"{where}: parameter {name!r} has its gradient accumulator (autograd's AccumulateGrad node) held "
                 "outside the step: a hook registered on it (as DistributedDataParallel, Megatron's "
