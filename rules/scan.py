@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from refine.ir.graph import Arg, TensorType, value_class
+from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
 from refine.ops.lower import Builder, normalize_dim
 from refine.ops.registry import Op, ShapeError
@@ -26,7 +26,11 @@ def _cumsum_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
     if not 0 <= d < max(x.ndim, 1):
         raise ShapeError(f"cumsum over dim {d} of {list(x.shape)}")
     integral = value_class(x.dtype) in ("bool", "int")
-    return TensorType(x.shape, attrs.get("dtype") or ("int64" if integral else x.dtype))
+    dtype = attrs.get("dtype") or ("int64" if integral else x.dtype)
+    problem = narrowing(x.dtype, dtype)  # torch casts the input to `dtype` first
+    if problem:
+        raise ShapeError(f"cumsum with dtype {dtype}: {problem}")
+    return TensorType(x.shape, dtype)
 
 
 def _cumsum(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
@@ -52,6 +56,9 @@ def _cumsum(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType)
 
 
 def _ref_cumsum(x: torch.Tensor, dim: int, dtype: str | None = None) -> torch.Tensor:
+    # refine's values are real numbers: a floating dtype is float64, an integer one int64
+    if dtype is not None and value_class(dtype) != "float":
+        x = x.to(torch.int64)
     return torch.cumsum(x, dim)
 
 

@@ -1,4 +1,4 @@
-"""Write the rule example's case: tokens sharded over 2 ranks, a running sum over the hidden
+"""Write the rule example's case: tokens sharded over 2 ranks, a running product over the hidden
 dim on each rank, then an all_gather. `--bug` sums over the sharded token dim instead."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ def make(bug: bool = False) -> tuple[dict, dict]:
     T, H, world = 8, 6, 2
     s = GraphBuilder(reg)
     x = s.input("x", [T, H])
-    s.output("y", s.op("cumsum", x, name="running", dim=0 if bug else 1))
+    s.output("y", s.op("cumprod", x, name="running", dim=0 if bug else 1))
     ranks = {}
     for r in range(world):
         d = GraphBuilder(reg)
         xr = d.input("x", [T // world, H])
-        y = d.op("cumsum", xr, name="running", dim=0 if bug else 1)
+        y = d.op("cumprod", xr, name="running", dim=0 if bug else 1)
         d.output("y", d.op("all_gather", y, name="gather", dim=0, group=list(range(world))))
         ranks[r] = d
     rel = [{"from": "x", "placements": ["Shard(0)"]}]

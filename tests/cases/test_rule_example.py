@@ -1,4 +1,4 @@
-"""The worked example of rules/README.md, executed: a new op (`cumsum`) is unknown without
+"""The worked example of rules/README.md, executed: a new op (`cumprod`) is unknown without
 its rule file, its rules pass the soundness harness (and a wrong one does not), and with
 `--rules` the example model refines while its buggy twin is localized."""
 
@@ -42,26 +42,26 @@ def test_checked_in_cases_are_regenerated() -> None:
 def test_without_the_rule_file_the_op_is_unknown() -> None:
     r = _refine("check", *_case("case"))
     assert r.returncode == 2
-    assert "unknown op 'cumsum'" in r.stderr and "$.graph.nodes[0].op" in r.stderr
+    assert "unknown op 'cumprod'" in r.stderr and "$.graph.nodes[0].op" in r.stderr
 
 
 @pytest.mark.slow
 def test_the_new_rules_are_sound_and_fire() -> None:
     reg = load_registry([EXAMPLE])
-    results = {r.rule: r for r in Harness(reg, seed=0).run(["cumsum-over-cat", "slice-into-cumsum"])}
-    assert set(results) == {"cumsum-over-cat", "slice-into-cumsum"}
+    results = {r.rule: r for r in Harness(reg, seed=0).run(["cumprod-over-cat", "slice-into-cumprod"])}
+    assert set(results) == {"cumprod-over-cat", "slice-into-cumprod"}
     for r in results.values():
         assert r.fired and r.checked > 0 and not r.failures, r
 
 
 @pytest.mark.slow
-def test_a_wrong_cumsum_rule_is_caught() -> None:
+def test_a_wrong_cumprod_rule_is_caught() -> None:
     reg = load_registry([EXAMPLE])
-    # wrong: along its own dim a running sum does not split (the second block needs the first's total)
-    bad = rewrite("cumsum-over-cat-same-dim", "(cumsum (cat a b d) d)", "(cat (cumsum a d) (cumsum b d) d)")
+    # wrong: along its own dim a running product does not split (the second block needs the first's total)
+    bad = rewrite("cumprod-over-cat-same-dim", "(cumprod (cat a b d) d)", "(cat (cumprod a d) (cumprod b d) d)")
     reg = replace(reg, rules=[*reg.rules, replace(bad, family="bad")], ops=dict(reg.ops), decls=list(reg.decls),
                   families=list(reg.families))
-    (res,) = Harness(reg, seed=0).run(["cumsum-over-cat-same-dim"])
+    (res,) = Harness(reg, seed=0).run(["cumprod-over-cat-same-dim"])
     assert res.fired and res.failures
 
 
@@ -73,4 +73,4 @@ def test_with_the_rule_file_the_model_refines_and_the_bug_is_found() -> None:
     bug = _refine("check", *_case("case_bug"), "--rules", str(EXAMPLE), "--format", "json")
     assert bug.returncode == 1, bug.stdout + bug.stderr
     report = json.loads(bug.stdout)
-    assert report["culprit"]["node"] == "running" and report["culprit"]["op"] == "cumsum"
+    assert report["culprit"]["node"] == "running" and report["culprit"]["op"] == "cumprod"

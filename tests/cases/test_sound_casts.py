@@ -109,6 +109,13 @@ def _vector_norm(dtype: str) -> tuple[Nodes, Nodes]:
             [n("v", "linalg_vector_norm", ["x"], "float32", []), n("z", "add", ["x", "v"])])
 
 
+def _cumsum(dtype: str) -> tuple[Nodes, Nodes]:
+    # torch casts the input to `dtype` before summing
+    return ([n("c", "cumsum", ["x"], dtype, dim=0, dtype=dtype), n("f", "cast", ["c"], "float32", dtype="float32"),
+             n("z", "add", ["x", "f"])],
+            [n("c", "cumsum", ["x"], dim=0), n("z", "add", ["x", "c"])])
+
+
 def _arange(dtype: str) -> tuple[Nodes, Nodes]:
     # an arange holds integers: only bool (which torch refuses) would change them
     return ([n("a", "arange", [], dtype, [6], end=6, dtype=dtype), n("z", "add", ["x", "a"])],
@@ -119,7 +126,7 @@ PAIRS: dict[str, Callable[[str], tuple[Nodes, Nodes]]] = {
     **{op: _identity(op) for op in ("clone", "contiguous", "detach", "alias", "wait_tensor", "to_copy",
                                     "lift_fresh_copy", "cast")},
     "full_like": _full_like, "scalar_tensor": _scalar_tensor, "linalg_vector_norm": _vector_norm,
-    "arange": _arange, "full": _full,
+    "arange": _arange, "full": _full, "cumsum": _cumsum,
 }
 KEEPS_VALUES = {("arange", d) for d in NARROW if d != "bool"}  # integers in an integer dtype
 

@@ -30,7 +30,7 @@ from tests.helpers import ROOT
 MODELS = ROOT / "models"
 EXAMPLE = MODELS / "rule_example"
 
-CUMSUM = '''import torch
+CUMPROD = '''import torch
 
 from refine.ops.registry import Op, ShapeError, rewrite
 
@@ -42,11 +42,11 @@ def _shape(ins, attrs):
     return x
 
 
-OPS = [Op("cumsum", 1, _shape, (("dim", "dim"),), ref=lambda x, dim: torch.cumsum(x, dim), core=True,
-          egglog_shape="(rule ((= e (cumsum x d)) (= s (shape x))) ((set (shape e) s)))")]
+OPS = [Op("cumprod", 1, _shape, (("dim", "dim"),), ref=lambda x, dim: torch.cumprod(x, dim), core=True,
+          egglog_shape="(rule ((= e (cumprod x d)) (= s (shape x))) ((set (shape e) s)))")]
 RULES = [
-    rewrite("tmp-cumsum-over-cat", "(cumsum (cat a b d) d2)", "(cat (cumsum a d2) (cumsum b d2) d)", "COND"),
-    rewrite("slice-into-cumsum", "(slice (cumsum x d2) d s e)", "(cumsum (slice x d s e) d2)", "(!= d d2)"),
+    rewrite("tmp-cumprod-over-cat", "(cumprod (cat a b d) d2)", "(cat (cumprod a d2) (cumprod b d2) d)", "COND"),
+    rewrite("slice-into-cumprod", "(slice (cumprod x d2) d s e)", "(cumprod (slice x d s e) d2)", "(!= d d2)"),
 ]
 '''
 
@@ -82,10 +82,10 @@ RULES = [rewrite("tmp-cat-swap-equal", "(cat a b d)", "(cat b a d)", "(= (size a
 ''', "sp_mlp_bug_gather_wrong_order", "tmp-cat-swap-equal"),
     # the concat's dim confused (given seed terms that reach it: without them it is untested)
     "wrong-dim": (VIEW_CAT_SEEDS, "sp_mlp_bug_gather_wrong_dim", "tmp-view-cat-rows"),
-    # a side condition that holds for the wrong case (it should be (!= d d2)): a running sum
+    # a side condition that holds for the wrong case (it should be (!= d d2)): a running product
     # over the sharded dim looks like one over each shard
-    "side-condition": (CUMSUM.replace("COND", "(d<= (size a d) (size b d))"), "rule_example/case_bug",
-                       "tmp-cumsum-over-cat"),
+    "side-condition": (CUMPROD.replace("COND", "(d<= (size a d) (size b d))"), "rule_example/case_bug",
+                       "tmp-cumprod-over-cat"),
 }
 
 
@@ -279,16 +279,16 @@ def _cache_files(cache: Path) -> list[Path]:
 
 @pytest.mark.slow
 def test_a_correct_family_is_verified_once_and_cached(tmp_path: Path, cache: Path, harnesses: list[bool]) -> None:
-    rules = tmp_path / "cumsum_rules"
+    rules = tmp_path / "cumprod_rules"
     rules.mkdir()
-    shutil.copy(EXAMPLE / "cumsum.py", rules / "cumsum.py")
+    shutil.copy(EXAMPLE / "cumprod.py", rules / "cumprod.py")
     case = EXAMPLE / "case"
     first = _check(case, "--rules", str(rules))
     assert first.exit_code == 0 and "REFINES" in first.output, first.output
     assert "unverified" not in first.output
     assert harnesses == [False, True]  # concrete and symbolic sizes, once each
     (entry,) = _cache_files(cache)
-    assert json.loads(entry.read_text())["body"]["rules"] == ["cumsum-over-cat", "slice-into-cumsum"]
+    assert json.loads(entry.read_text())["body"]["rules"] == ["cumprod-over-cat", "slice-into-cumprod"]
     second = _check(case, "--rules", str(rules))
     assert second.exit_code == 0 and "REFINES" in second.output
     assert harnesses == [False, True]  # the cache answered
@@ -298,7 +298,7 @@ def test_a_correct_family_is_verified_once_and_cached(tmp_path: Path, cache: Pat
     assert harnesses == [False, True]
 
     # an edit verifies again (a comment too: the key is the content)
-    (rules / "cumsum.py").write_text((rules / "cumsum.py").read_text() + "\n# edited\n")
+    (rules / "cumprod.py").write_text((rules / "cumprod.py").read_text() + "\n# edited\n")
     third = _check(case, "--rules", str(rules))
     assert third.exit_code == 0, third.output
     assert len(harnesses) == 4 and len(_cache_files(cache)) == 2
@@ -311,22 +311,22 @@ def test_a_correct_family_is_verified_once_and_cached(tmp_path: Path, cache: Pat
     assert len(harnesses) == 6
     key = extra_rules.verification_key(load_registry([rules]), [str(rules)])
     stored = extra_rules.read_cached(key)
-    assert stored is not None and stored.findings == [] and stored.rules == ["cumsum-over-cat", "slice-into-cumsum"]
+    assert stored is not None and stored.findings == [] and stored.rules == ["cumprod-over-cat", "slice-into-cumprod"]
 
 
 @pytest.mark.slow
 def test_an_edited_rule_file_is_read_again_in_the_same_process(tmp_path: Path, harnesses: list[bool]) -> None:
     """A long-lived process (a notebook) that edits a verified family into a wrong one gets
     the new rules verified, not the old registry under the new content's key."""
-    rules = tmp_path / "cumsum_rules"
+    rules = tmp_path / "cumprod_rules"
     rules.mkdir()
-    (rules / "cumsum.py").write_text(CUMSUM.replace("COND", "(!= d d2)"))
+    (rules / "cumprod.py").write_text(CUMPROD.replace("COND", "(!= d d2)"))
     ok = _check(EXAMPLE / "case", "--rules", str(rules))
     assert ok.exit_code == 0, ok.output
-    (rules / "cumsum.py").write_text(CUMSUM.replace("COND", "(d<= (size a d) (size b d))"))
+    (rules / "cumprod.py").write_text(CUMPROD.replace("COND", "(d<= (size a d) (size b d))"))
     bad = _check(EXAMPLE / "case_bug", "--rules", str(rules))
     assert bad.exit_code == 2, bad.output
-    assert "rule tmp-cumsum-over-cat: unsound" in bad.output
+    assert "rule tmp-cumprod-over-cat: unsound" in bad.output
 
 
 @pytest.mark.slow
@@ -346,7 +346,7 @@ def test_a_tampered_cache_entry_is_not_trusted(tmp_path: Path, cache: Path) -> N
     # a whole, intact entry of another directory's verification put under this key
     good = tmp_path / "good"
     good.mkdir()
-    shutil.copy(EXAMPLE / "cumsum.py", good / "cumsum.py")
+    shutil.copy(EXAMPLE / "cumprod.py", good / "cumprod.py")
     assert _check(EXAMPLE / "case", "--rules", str(good)).exit_code == 0
     key = extra_rules.verification_key(load_registry([rules]), [str(rules)])
     other = next(e for e in _cache_files(cache) if e.stem != key)
