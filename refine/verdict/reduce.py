@@ -117,12 +117,28 @@ def try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple
 
 
 def _try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tuple[Graph, Dist, Sizes] | str:
+    sites = Sites(seq, dist, registry)
+    why = "no size to reduce"
+    # First every class of one value alike (a small problem, and it reduces most where it
+    # exists), then each class on its own: a value in roles that scale differently
+    for stage in (sites.by_value_problem, sites.by_class_problem):
+        reasons: list[str] = []
+        classes, rels, to_class = stage()
+        maps = [to_class(m) for m in candidate_maps(classes, rels, reasons, sites.describe_class)]
+        why = reasons[0] if reasons else why
+        got = _first_valid(seq, dist, registry, sites, maps, budget)
+        if not isinstance(got, str):
+            return got
+        why = got if maps else why
+    return why
+
+
+def _first_valid(seq: Graph, dist: Dist, registry: Registry, sites: Sites, maps: list[dict[Occ, int]], budget: int
+                 ) -> tuple[Graph, Dist, Sizes] | str:
+    """The smallest of the maps whose programs check and fit the budget, or why none does."""
     from refine.ops.interp import eval_elements
 
-    sites = Sites(seq, dist, registry)
-    reasons: list[str] = []
-    maps = list(candidate_maps(sites.classes(), sites.relations(), reasons, sites.describe, sites.weights()))
-    why = reasons[0] if reasons else "no size to reduce"
+    why = "no map"
     for cmap in sorted(maps, key=sites.elements):  # the smallest programs first
         try:
             s, d = rewrite(seq, dist, registry, sites, cmap)
@@ -310,6 +326,7 @@ class Sites:
         self.same: dict[frozenset[Occ], str] = {}
         self.pieces: set[Occ] = set()  # rank pieces' dims along a sharded dim
         self.term_where: list[str] = []
+        self._count: dict[Occ, int] | None = None  # occurrences per class, once they are made
         # a tensor's dim -> the bounds of the slices taken along it: one position per value
         self.axes: dict[Occ, list[Occ]] = {}
         self._walk(seq, dist)
@@ -375,11 +392,17 @@ class Sites:
         return f"{self.term_where[t]}: term {list(path)} dim {i}"
 
     def describe_class(self, root: Occ) -> str:
+        """A class: its size, its first occurrence and how many more it ties."""
+        if not isinstance(root, tuple):  # a size (the problem by value)
+            return str(root)
         if root not in self.value:
             return self.describe(root)
-        members = [o for o in self.value if self.find(o) == root]
-        more = f" and {len(members) - 1} more" if len(members) > 1 else ""
-        return f"{self.value[root]} [{self.describe(members[0])}{more}]"
+        if self._count is None:
+            self._count = {}
+            for o in self.value:
+                self._count[self.find(o)] = self._count.get(self.find(o), 0) + 1
+        n = self._count.get(self.find(root), 1)
+        return f"{self.value[root]} [{self.describe(self.find(root))}{f' and {n - 1} more' if n > 1 else ''}]"
 
     def classes(self) -> dict[Occ, int]:
         """Each class (by its first occurrence) and its value."""
@@ -406,13 +429,33 @@ class Sites:
                 same.setdefault(g, where)
         return prods, same
 
-    def weights(self) -> dict[Occ, int]:
-        """Each class's number of tensor dims."""
-        out: dict[Occ, int] = {}
-        for o in self.value:
-            if o[0] == "dim":
-                out[self.find(o)] = out.get(self.find(o), 0) + 1
-        return out
+    Problem = tuple[dict[Any, int], Relations, Callable[[dict[Any, int]], dict[Occ, int]]]
+
+    def by_class_problem(self) -> Problem:
+        """The classes, their relations, and how a solution maps the classes (itself)."""
+        return self.classes(), self.relations(), lambda m: m
+
+    def by_value_problem(self) -> Problem:
+        """Every class of one value one unknown (the relations over values): a solution maps
+        each class by its value."""
+        prods: dict[tuple[tuple[Any, ...], tuple[Any, ...]], str] = {}
+        same: dict[frozenset[Any], str] = {}
+
+        def v(c: Occ) -> Any:
+            return self.value.get(c, c)  # FIXED stays itself
+
+        p, s = self.relations()
+        for (lhs, rhs), where in p.items():
+            a, b = tuple(sorted(map(v, lhs))), tuple(sorted(map(v, rhs)))
+            if a != b:
+                prods.setdefault((a, b), where)
+        for group, where in s.items():
+            g = frozenset(map(v, group))
+            if len(g) > 1:
+                same.setdefault(g, where)
+        classes = self.classes()
+        return ({x: x for x in set(classes.values())}, (prods, same),
+                lambda m: {c: m[x] for c, x in classes.items()})
 
     def size(self, o: Occ, v: int, cmap: dict[Occ, int]) -> int:
         """Occurrence o (of value v) under a class map."""
@@ -605,7 +648,7 @@ class Sites:
         if len(ins) >= 2 and all(len(s) == len(outs) for s in in_shapes):
             for j, o in enumerate(outs):
                 parts = [s[j] for s in in_shapes]
-                first = ins[0][0][j]
+                first = next((occs[j] for occs, _ in ins if occs[j] is not None), None)
                 if sum(parts) != o or len(set(parts + [o])) == 1 or first is None:
                     continue
                 got = self._move(shape, ins, attrs, attr_occs, (first,))  # a sum, not sizes that add up by chance
@@ -805,9 +848,11 @@ def _cost(values: list[int], bases: tuple[int, ...]) -> int:
     return total
 
 
-def choose_bases(values: list[int], first: int | None = None) -> tuple[int, ...] | None:
+def choose_bases(values: list[int], first: int | None = None, unwritten: list[int] | None = None
+                 ) -> tuple[int, ...] | None:
     """Bases that write every size (greedy: each next base the one that leaves the least
-    cost); `first` fixes the first. None when MAX_BASES do not suffice."""
+    cost); `first` fixes the first. None when MAX_BASES do not suffice (`unwritten` gets the
+    sizes the greedy's bases leave)."""
     big = [v for v in values if v >= MIN_BASE]
     bases: tuple[int, ...] = () if first is None else (first,)
     while True:
@@ -815,6 +860,8 @@ def choose_bases(values: list[int], first: int | None = None) -> tuple[int, ...]
         if not left:
             return bases
         if len(bases) == MAX_BASES:
+            if unwritten is not None:
+                unwritten += left
             return None
         pool = [v for v in left if v >= MIN_BASE] or big
         if not pool:
@@ -840,12 +887,11 @@ def _as_classes(values: Mapping[Any, int] | Iterable[int]) -> dict[Any, int]:
 
 
 def solve_exponents(values: Mapping[Any, int] | Iterable[int], bases: tuple[int, ...], rels: Relations,
-                    describe: Callable[[Any], str] = str, weights: Mapping[Any, int] | None = None
-                    ) -> dict[Any, Rep] | str:
+                    describe: Callable[[Any], str] = str) -> dict[Any, Rep] | str:
     """For each class (a size, or a class of occurrences of one) a way to write its value
     over the bases such that every relation keeps (the simplest such, by the total of
-    numerators and denominators: Z3's optimizer; with `weights`, first the largest exponents
-    weighed by them), or which relations conflict, each class named by `describe`."""
+    numerators and denominators: Z3's optimizer), or which relations conflict, each class
+    named by `describe`."""
     import z3
 
     classes = _as_classes(values)
@@ -885,8 +931,6 @@ def solve_exponents(values: Mapping[Any, int] | Iterable[int], bases: tuple[int,
     opt = z3.Optimize()
     opt.set("timeout", 10_000)
     opt.add(*hard, *(c for c, _ in tracked))
-    if weights:
-        opt.maximize(z3.Sum(0, *(weights.get(c, 0) * z3.Sum(*ks[c]) for c in ks)))
     opt.minimize(z3.Sum(0, *cost))
     if opt.check() == z3.sat:
         model = opt.model()
@@ -908,42 +952,43 @@ def solve_exponents(values: Mapping[Any, int] | Iterable[int], bases: tuple[int,
 
 
 def candidate_maps(values: Mapping[Any, int] | Iterable[int], rels: Relations = ({}, {}),
-                   why: list[str] | None = None, describe: Callable[[Any], str] = str,
-                   weights: Mapping[Any, int] | None = None) -> Iterable[dict[Any, int]]:
+                   why: list[str] | None = None, describe: Callable[[Any], str] = str) -> Iterable[dict[Any, int]]:
     """Maps class -> reduced size to try (`values`: each class's size; a plain list of sizes
     is one class per size): for each choice of bases whose exponents keep the relations,
     the smallest base values that keep every size a positive integer, above 1 where it was,
     and no larger than it was (and the next larger, in case the smallest degenerates). `why`
-    collects why a choice of bases gave none; `weights` (a class's number of tensor dims)
-    adds the maps that reduce the heaviest classes most."""
+    collects why a choice of bases gave none."""
     classes = _as_classes(values)
     sizes = sorted(set(classes.values()))
     big = sorted({v for v in sizes if v >= MIN_BASE}, key=lambda b: (_cost(sizes, (b,)), b))
     tried: set[tuple[int, ...]] = set()
     for first in big[:FIRST_BASES]:
-        bases = choose_bases(sizes, first)
-        if bases is None or bases in tried:
+        odd: list[int] = []
+        bases = choose_bases(sizes, first, odd)
+        if bases is None:
+            if why is not None:
+                why.append(f"no {MAX_BASES} bases with {first} write every size as a small multiple of their powers "
+                           f"(left: {', '.join(map(str, odd[:8]))}{', ...' if len(odd) > 8 else ''})")
+            continue
+        if bases in tried:
             continue
         tried.add(bases)
-        # the simplest writing, and (where classes weigh) the one that reduces the heaviest
-        # classes most: the caller takes the smallest map that checks
-        for weighed in (None, weights) if weights else (None,):
-            reps = solve_exponents(classes, bases, rels, describe, weighed)
-            if isinstance(reps, str):
-                if why is not None:
-                    why.append(reps)
-                break  # the relations conflict whatever the objective
-            combos = sorted(itertools.product(BASE_VALUES, repeat=len(bases)), key=lambda bs: (math.prod(bs), bs))
-            made = 0
-            for small in combos:
-                if any(s >= b for s, b in zip(small, bases, strict=True)):
-                    continue
-                mapping = _map_with(reps, classes, small)
-                if mapping is not None:
-                    yield mapping
-                    made += 1
-                    if made == 2:
-                        break
+        reps = solve_exponents(classes, bases, rels, describe)
+        if isinstance(reps, str):
+            if why is not None:
+                why.append(reps)
+            continue
+        combos = sorted(itertools.product(BASE_VALUES, repeat=len(bases)), key=lambda bs: (math.prod(bs), bs))
+        made = 0
+        for small in combos:
+            if any(s >= b for s, b in zip(small, bases, strict=True)):
+                continue
+            mapping = _map_with(reps, classes, small)
+            if mapping is not None:
+                yield mapping
+                made += 1
+                if made == 2:
+                    break
 
 
 def _map_with(reps: dict[Any, Rep], classes: dict[Any, int], small: tuple[int, ...]) -> dict[Any, int] | None:

@@ -338,6 +338,26 @@ def test_sizes_tie_along_the_shape_rules_not_by_value(tmp_path: Path) -> None:
     assert same(("mask", 0), (v, 2))
 
 
+def test_a_conflict_names_the_places_that_conflict(tmp_path: Path) -> None:
+    """A token prepended (cat of 1 and 4095 rows): the sum keeps when its parts scale alike,
+    and a part of 1 never scales, so 4095 and 4096 could only stay, which no small writing
+    of them does (a size offset by a constant does not reduce). No reduction, and the
+    reason names the node and the occurrences."""
+    def program() -> GraphBuilder:
+        g = GraphBuilder()
+        x, bos, w = g.input("x", [4095, 64]), g.input("bos", [1, 64]), g.input("w", [64, 64], role="parameter")
+        g.output("y", g.op("matmul", g.op("cat", bos, x, dim=0), w))
+        return g
+
+    docs = seq_doc(program()), dist_doc({"tp": 2}, {0: program(), 1: program()},
+                                        [{"from": n, "placements": ["Replicate"]} for n in ("x", "bos", "w")],
+                                        [{"output": "y", "placements": ["Replicate"]}])
+    seq, dist = _load(_write(tmp_path, docs))
+    got = reduce.try_reduce(seq, dist, REG, 1000)
+    assert isinstance(got, str) and "cannot all scale" in got, got
+    assert "seq cat (cat)" in got and "a size that stays" in got and "4095 [seq x dim 0" in got and "4096 [" in got, got
+
+
 def test_a_size_derived_number_on_one_side_only_blocks_the_reduction(budget: int, tmp_path: Path) -> None:
     """The mean over tokens: the sequential program takes it (its 1/T comes from the shape),
     the ranks sum their shards, all_reduce and multiply by the literal 1/T. Correct at T; at a
