@@ -120,17 +120,25 @@ def _try_reduce(seq: Graph, dist: Dist, registry: Registry, budget: int) -> tupl
     sites = Sites(seq, dist, registry)
     why = "no size to reduce"
     # First every class of one value alike (a small problem, and it reduces most where it
-    # exists), then each class on its own: a value in roles that scale differently
-    for stage in (sites.by_value_problem, sites.by_class_problem):
+    # exists); where relations conflict, the values they name split into their classes (their
+    # roles), again until none conflicts; last, every class on its own
+    values = set(sites.values())
+    split: set[int] = set()
+    while True:
         reasons: list[str] = []
-        classes, rels, to_class = stage()
+        classes, rels, to_class = sites.problem(split)
         maps = [to_class(m) for m in candidate_maps(classes, rels, reasons, sites.describe_class)]
         why = reasons[0] if reasons else why
         got = _first_valid(seq, dist, registry, sites, maps, budget)
         if not isinstance(got, str):
             return got
         why = got if maps else why
-    return why
+        named = {u if isinstance(u, int) else sites.value[u] for r in reasons if isinstance(r, Conflict)
+                 for u in r.units if u != FIXED}
+        more = named - split if named - split else values - split
+        if not more:
+            return why
+        split |= more
 
 
 def _first_valid(seq: Graph, dist: Dist, registry: Registry, sites: Sites, maps: list[dict[Occ, int]], budget: int
@@ -431,22 +439,20 @@ class Sites:
 
     Problem = tuple[dict[Any, int], Relations, Callable[[dict[Any, int]], dict[Occ, int]]]
 
-    def by_class_problem(self) -> Problem:
-        """The classes, their relations, and how a solution maps the classes (itself)."""
-        return self.classes(), self.relations(), lambda m: m
-
-    def by_value_problem(self) -> Problem:
-        """Every class of one value one unknown (the relations over values): a solution maps
-        each class by its value."""
+    def problem(self, split: set[int]) -> Problem:
+        """The unknowns: a class for each value in `split`, one for all classes of any other
+        value; their relations; and how a solution maps the classes."""
         prods: dict[tuple[tuple[Any, ...], tuple[Any, ...]], str] = {}
         same: dict[frozenset[Any], str] = {}
 
         def v(c: Occ) -> Any:
-            return self.value.get(c, c)  # FIXED stays itself
+            if c not in self.value or self.value[c] in split:
+                return c  # FIXED, or a class on its own
+            return self.value[c]
 
         p, s = self.relations()
         for (lhs, rhs), where in p.items():
-            a, b = tuple(sorted(map(v, lhs))), tuple(sorted(map(v, rhs)))
+            a, b = tuple(sorted(map(v, lhs), key=str)), tuple(sorted(map(v, rhs), key=str))
             if a != b:
                 prods.setdefault((a, b), where)
         for group, where in s.items():
@@ -454,8 +460,8 @@ class Sites:
             if len(g) > 1:
                 same.setdefault(g, where)
         classes = self.classes()
-        return ({x: x for x in set(classes.values())}, (prods, same),
-                lambda m: {c: m[x] for c, x in classes.items()})
+        unknowns = {v(c): x for c, x in classes.items()}
+        return unknowns, (prods, same), lambda m: {c: m[v(c)] for c in classes}
 
     def size(self, o: Occ, v: int, cmap: dict[Occ, int]) -> int:
         """Occurrence o (of value v) under a class map."""
@@ -920,14 +926,17 @@ def solve_exponents(values: Mapping[Any, int] | Iterable[int], bases: tuple[int,
         return ks[c][j] if c in ks else 0
 
     tracked: list[tuple[Any, str]] = []
+    units: list[set[Any]] = []  # the classes each tracked relation names
     for (lhs, rhs), where in prods.items():
         text = f"{' * '.join(map(describe, lhs))} = {' * '.join(map(describe, rhs))} ({where})"
         tracked.append((z3.And(*(z3.Sum(0, *(k(v, j) for v in lhs)) == z3.Sum(0, *(k(v, j) for v in rhs))
                                  for j in range(len(bases)))), text))
+        units.append({*lhs, *rhs})
     for group, where in same.items():
         first, *rest = members = sorted(group, key=lambda c: index.get(c, -1))
         text = f"{', '.join(map(describe, members))} scale alike ({where})"
         tracked.append((z3.And(*(k(first, j) == k(v, j) for v in rest for j in range(len(bases)))), text))
+        units.append(set(group))
     opt = z3.Optimize()
     opt.set("timeout", 10_000)
     opt.add(*hard, *(c for c, _ in tracked))
@@ -946,9 +955,24 @@ def solve_exponents(values: Mapping[Any, int] | Iterable[int], bases: tuple[int,
         core.assert_and_track(c, label)
     if core.check() != z3.unsat:
         return f"no writing over the bases {list(bases)} found in time"
-    names = [labels[z3.Bool(str(x))] for x in core.unsat_core()]
-    return (f"over the bases {list(bases)} the sizes cannot all scale (one class of occurrences plays roles that "
-            "scale differently): " + "; ".join(names[:8]) + (f"; ... {len(names) - 8} more" if len(names) > 8 else ""))
+    index_of = {label: i for i, label in enumerate(labels)}
+    in_core = [index_of[z3.Bool(str(x))] for x in core.unsat_core()]
+    names = [tracked[i][1] for i in in_core]
+    return Conflict(f"over the bases {list(bases)} the sizes cannot all scale (one class of occurrences plays roles "
+                    "that scale differently): " + "; ".join(names[:8]) +
+                    (f"; ... {len(names) - 8} more" if len(names) > 8 else ""),
+                    set().union(*(units[i] for i in in_core)))
+
+
+class Conflict(str):
+    """Why no writing keeps the relations, and the classes the conflicting relations name."""
+
+    units: set[Any]
+
+    def __new__(cls, text: str, units: set[Any]) -> Conflict:
+        out = super().__new__(cls, text)
+        out.units = units
+        return out
 
 
 def candidate_maps(values: Mapping[Any, int] | Iterable[int], rels: Relations = ({}, {}),
