@@ -15,8 +15,11 @@ are never reduced), a tensor of one name on every rank. Equalities make classes;
 is written as a small rational constant times a product of powers of a few *bases* (with
 base 16: 48 = 3*16, 1024 = 4*16^2, 98304 = 24*16^3), the exponents chosen (Z3) so that the
 products keep and what scales alike keeps its exponents; each base is mapped to a small
-value and every occurrence rewritten by its class. So two occurrences of one value that
-nothing ties may reduce apart: GPT on 8 ranks, where 8 * 1536 = 12288 tokens is also the
+value and every occurrence rewritten by its class. The exponents are chosen first with every
+class of one value alike (a small problem; the reduction by value where one exists); where
+the relations conflict, only the values the conflict names split into their classes, until
+none conflicts (every class on its own last). So two occurrences of one value that nothing
+ties may reduce apart: GPT on 8 ranks, where 8 * 1536 = 12288 tokens is also the
 vocabulary's shard 98304 / 8 and the batch 8 is also the mesh's; aws_llama on 8 ranks,
 where 4 is GQA's repeat and the query heads per rank. The map by value (`Sizes`, what a
 counterexample records) lists such a value's reduced sizes by role. Then the rewritten
