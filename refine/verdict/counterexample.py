@@ -8,7 +8,7 @@ expectation reads from the rank outputs (`refine.verdict.expect.expectation_opti
 output with no expectation may match any standard placement). The first draw on which one
 output matches none of its options is the counterexample: the verdict is DOES NOT REFINE.
 A case too large to evaluate is searched at reduced sizes (`refine.verdict.reduce`: every
-size mapped small consistently); the counterexample records the map (`reduced`).
+size mapped small consistently, by role); the counterexample records the map (`reduced`).
 When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexample.
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above
@@ -56,8 +56,8 @@ from refine.ops.interp import (
 )
 from refine.ops.registry import Registry
 from refine.verdict.expect import expectation_options
+from refine.verdict.reduce import Sizes, try_reduce
 from refine.verdict.reduce import apply as reduced_programs
-from refine.verdict.reduce import try_reduce
 
 # Random draws before the search gives up. Two programs that differ over the reals differ
 # on almost every real input (their difference, a composition of analytic ops, vanishes on
@@ -93,8 +93,9 @@ class Counterexample:
     seq_inputs: dict[str, Tensor] = field(repr=False, default_factory=dict)
     rank_inputs: dict[int, dict[str, Tensor]] = field(repr=False, default_factory=dict)
     # a case too large to evaluate is searched at reduced sizes (refine.verdict.reduce): each
-    # size it changed, original -> reduced; the inputs are the reduced programs'
-    reduced: dict[int, int] = field(default_factory=dict)
+    # size it changed, original -> reduced (a list where the size's roles reduce apart: one
+    # per role, `refine.verdict.reduce.Sizes`); the inputs are the reduced programs'
+    reduced: Sizes = field(default_factory=dict)
 
     def failing(self) -> list[OutputError]:
         return [o for o in self.outputs if not o.ok]
@@ -188,7 +189,7 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
     differs is the counterexample."""
     symbols = case_symbols(seq, dist)
     agreed, unchecked = 0, []
-    reduced: dict[int, int] = {}
+    reduced: Sizes = {}
     if not symbols and eval_elements(seq, dist) > eval_budget():  # too large: the same programs at small sizes
         got = try_reduce(seq, dist, registry, eval_budget())
         if isinstance(got, str):
@@ -400,7 +401,8 @@ def load(directory: str | Path) -> Counterexample:
     doc = json.loads((root / "counterexample.json").read_text())
     cex = Counterexample(int(doc["seed"]), {k: int(v) for k, v in doc["sizes"].items()},
                          [OutputError(**o) for o in doc["outputs"]],
-                         reduced={int(k): int(v) for k, v in doc.get("reduced", {}).items()})
+                         reduced={int(k): [int(x) for x in v] if isinstance(v, list) else int(v)
+                                  for k, v in doc.get("reduced", {}).items()})
     for t in doc["tensors"]:
         dtype = _DTYPES[t["dtype"]]
         data = (root / Path(t["file"]).name).read_bytes()  # a bare file name: never outside the directory

@@ -194,7 +194,9 @@ def _search_lines(search: Search | None) -> list[str]:
     if cex is not None:
         at = f", sizes {', '.join(f'{k}={v}' for k, v in cex.sizes.items())}" if cex.sizes else ""
         if cex.reduced:  # refine.verdict.reduce: the programs at smaller sizes
-            at += ", at reduced sizes " + ", ".join(f"{k}->{v}" for k, v in sorted(cex.reduced.items()))
+            at += ", at reduced sizes " + ", ".join(
+                f"{k}->{v}" if isinstance(v, int) else f"{k}->{'|'.join(map(str, sorted(set(v))))} (by role)"
+                for k, v in sorted(cex.reduced.items()))
         out = [f"counterexample: random inputs consistent with the input relations (seed {cex.seed}{at}) on which "
                "the outputs differ:"]
         out += [f"  {o.output}: max abs error {o.abs_err:.3g}, max rel error {o.rel_err:.3g} against {o.expectation}"
