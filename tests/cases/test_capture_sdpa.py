@@ -1,5 +1,6 @@
 """`F.scaled_dot_product_attention` captured as users call it (causal, a boolean or additive
-mask, an explicit scale), heads split over tensor-parallel ranks: capture traces it by
+mask, an explicit scale), and attention written out with a causal mask built inline
+(`torch.triu`, compared ranges, `tril` as floats), heads split over tensor-parallel ranks: capture traces it by
 torch's math backend (the fused CPU kernel's backward is one opaque aten op), whose safe
 softmax asks `any` over the masked rows (rules/reduce.py). The correct step refines and
 computes the sequential one; a missing all-reduce after the row-parallel output projection
@@ -83,10 +84,27 @@ class Copy(torch.autograd.Function):
         return g
 
 
+def _triu(s: torch.Tensor, diag: int) -> torch.Tensor:
+    return s.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=diag), float("-inf"))
+
+
+def _arange(s: torch.Tensor, diag: int) -> torch.Tensor:
+    i = torch.arange(S)
+    return s + torch.where(i[None, :] - i[:, None] >= diag, float("-inf"), 0.0)
+
+
+def _tril_float(s: torch.Tensor, diag: int) -> torch.Tensor:
+    return s + (1.0 - torch.tril(torch.ones(S, S), diagonal=diag - 1)) * -1e9
+
+
+# causal masks as users write them inline; `diag` 1 is causal, 0 also hides the diagonal
+INLINE = {"triu": _triu, "arange": _arange, "tril_float": _tril_float}
+
+
 class Attention(nn.Module):
-    def __init__(self, heads: int, mask: str, tp: bool = False, bug: bool = False) -> None:
+    def __init__(self, heads: int, mask: str, tp: bool = False, bug: bool = False, bug_diag: int = 0) -> None:
         super().__init__()
-        self.heads, self.mask, self.tp, self.bug = heads, mask, tp, bug
+        self.heads, self.mask, self.tp, self.bug, self.bug_diag = heads, mask, tp, bug, bug_diag
         self.q, self.k, self.v = (nn.Linear(H, heads * HD, bias=False) for _ in range(3))
         self.o = nn.Linear(heads * HD, H, bias=False)
 
@@ -94,7 +112,10 @@ class Attention(nn.Module):
         if self.tp:
             x = Copy.apply(x)
         q, k, v = (p(x).view(B, S, self.heads, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
-        if self.mask == "causal":
+        if self.mask in INLINE:  # written out, the mask built inline from constants
+            scores = q @ k.transpose(-1, -2) / HD ** 0.5
+            a = INLINE[self.mask](scores, 1 + self.bug_diag).softmax(-1) @ v
+        elif self.mask == "causal":
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif self.mask == "scale":
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
@@ -110,7 +131,7 @@ def step(model: Attention, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor)
     return loss
 
 
-def make_case(mask: str, world_size: int = 2, bug: bool = False) -> capture.Spec:
+def make_case(mask: str, world_size: int = 2, bug: bool = False, diag_bug: bool = False) -> capture.Spec:
     torch.manual_seed(0)
     seq = Attention(NH, mask)
     x, y = torch.randn(B, S, H), torch.randn(B, S, H)
@@ -120,7 +141,7 @@ def make_case(mask: str, world_size: int = 2, bug: bool = False) -> capture.Spec
     inputs = {"x": x, "y": y, "mask": m}
 
     def rank(r: int) -> capture.Step:
-        local = Attention(NH // world_size, mask, tp=True, bug=bug)
+        local = Attention(NH // world_size, mask, tp=True, bug=bug, bug_diag=-1 if diag_bug else 0)
         n = NH // world_size * HD
         with torch.no_grad():
             for p in "qkv":
@@ -149,3 +170,19 @@ def test_sdpa_attention_missing_reduce_is_found() -> None:
     report = case.check()
     assert report.verdict == "DOES NOT REFINE", report
     assert report.search is not None and report.search.found is not None
+
+
+@pytest.mark.parametrize("mask", sorted(INLINE))
+def test_an_inline_causal_mask_refines(mask: str) -> None:
+    """The mask is computed from constants alone (torch.triu, arange compared, tril as
+    floats), the same on every rank."""
+    case = capture(make_case(mask))
+    assert wrong_numerically(case) == set()
+    assert case.check().verdict == "REFINES"
+
+
+@pytest.mark.parametrize("mask", sorted(INLINE))
+def test_ranks_that_also_hide_the_diagonal_do_not_refine(mask: str) -> None:
+    case = capture(make_case(mask, diag_bug=True))
+    assert "loss" in wrong_numerically(case)
+    assert case.check().verdict == "DOES NOT REFINE"
