@@ -1,0 +1,93 @@
+"""A token count under data parallelism, as training loops write it: the count of targets not
+ignored, all-reduced, divides the summed loss. Cast to float before the all-reduce or after,
+both refine (a cast passes over a sum of counts, rules/cast.py's Numeric analysis); a count
+averaged instead of summed over the ranks does not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from refine import capture
+from tests.helpers.capture import wrong_numerically
+
+B, S, V, H = 4, 3, 8, 6
+IGNORE = -100
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.out = nn.Embedding(V, H), nn.Linear(H, V)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(ids))
+
+
+def summed_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).view(-1, V), labels.view(-1), ignore_index=IGNORE, reduction="sum")
+
+
+def seq_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = summed_loss(model, ids, labels) / (labels != IGNORE).sum().float()
+    loss.backward()
+    return loss
+
+
+def rank_step(how: str) -> Callable[..., torch.Tensor]:
+    def step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n = (labels != IGNORE).sum()
+        if how == "cast_then_sum":
+            n = n.float()
+            dist.all_reduce(n)
+        elif how == "sum_then_cast":
+            dist.all_reduce(n)
+            n = n.float()
+        else:  # "averaged": the mean count over the ranks, world times too small
+            n = n.float()
+            dist.all_reduce(n, op=dist.ReduceOp.AVG)
+        loss = summed_loss(model, ids, labels) / n
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        dist.all_reduce(loss)
+        return loss
+    return step
+
+
+def make_case(how: str, world: int = 2) -> capture.Spec:
+    torch.manual_seed(0)
+    seq = LM()
+    ids, labels = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    labels[0, 1] = IGNORE
+    b = B // world
+
+    def rank(r: int) -> capture.Step:
+        model = LM()
+        model.load_state_dict(seq.state_dict())
+        for p in model.parameters():
+            capture.replicate(p)
+        part = slice(r * b, (r + 1) * b)
+        return capture.Step(model, rank_step(how), {"ids": capture.shard(ids[part], 0),
+                                                    "labels": capture.shard(labels[part], 0)})
+
+    return capture.Spec(capture.Step(seq, seq_step, {"ids": ids, "labels": labels}), rank, world_size=world,
+                        name=f"token_count_{how}")
+
+
+@pytest.mark.parametrize("how", ["cast_then_sum", "sum_then_cast"])
+def test_a_token_count_summed_over_the_ranks_refines(how: str) -> None:
+    case = capture(make_case(how))
+    assert wrong_numerically(case) == set()
+    assert case.check().verdict == "REFINES"
+
+
+def test_a_token_count_averaged_over_the_ranks_does_not_refine() -> None:
+    case = capture(make_case("averaged"))
+    assert "loss" in wrong_numerically(case)
+    assert case.check().verdict == "DOES NOT REFINE"
