@@ -65,17 +65,19 @@ def structural_ancestry(prog: DistProgram, names: Iterable[str], hops: int) -> l
 _WALK_OPS = frozenset({"view", "slice", "cat", "transpose", "expand"})
 
 
-def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str]) -> bool:
-    """Whether `x` is computed from available tensors by walked ops only (at most `depth`
-    definitions back); appends what it takes, inputs first."""
+def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[str],
+            ops: frozenset[str] | None = _WALK_OPS) -> bool:
+    """Whether `x` is computed from available tensors by `ops` only (None: any op but a
+    collective) at most `depth` definitions back; appends what it takes, inputs first."""
     canon = prog.same.find
     if canon(x) in avail or is_constant(prog, x):
         return True
     d = prog.defs.get(x)
-    if depth == 0 or d is None or d.op not in _WALK_OPS:
+    if depth == 0 or d is None or (d.op not in ops if ops is not None else x in prog.nodes and
+                                   prog.nodes[x].op in _COLLECTIVES):
         return False
     for dep in sorted(d.leaves()):
-        if not _derive(prog, dep, avail, depth - 1, out):
+        if not _derive(prog, dep, avail, depth - 1, out, ops):
             return False
     out.append(x)
     avail.add(canon(x))
@@ -148,6 +150,20 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep)
                                          or (u in prog.copies and canon(dep) == canon(u)) for dep in d.leaves()):
                     nxt.add(u)
+                elif d is not None and policy.side_depth:
+                    # its other operands computed from what is available (rank inputs
+                    # among it) by a few ops: a mask a rank makes from its labels per
+                    # micro-batch, beside the value it masks; they come along with u
+                    trial, taken = set(avail), []
+                    if all(_derive(prog, dep, trial, policy.side_depth, taken, None) for dep in sorted(d.leaves())):
+                        for y in taken:  # with the constants they read (the literal of a comparison)
+                            for c in [c for dep in sorted(prog.defs[y].leaves()) if is_constant(prog, dep)  # type: ignore[union-attr]
+                                      for c in constant_closure(prog, dep)] + [y]:
+                                if c not in seen:
+                                    seen.add(c)
+                                    chosen.append(c)
+                        avail.update(trial)
+                        nxt.add(u)
         # users of any replica of a layer tensor count too
         for u in sorted(nxt):
             # constants (a literal operand becomes `full`; `expand(full)`, ...) come along

@@ -87,6 +87,11 @@ class Policy:
     # How far back the other operand of such an op may be derived from available tensors
     # (a buffer's untouched part, beside the written slice).
     struct_depth: int = 4
+    # A use of a frontier tensor whose other operand is not available yet is taken when
+    # that operand is computed from available tensors (rank inputs among them) and
+    # constants by at most this many ops, which come along: a mask a rank builds from its
+    # labels for each micro-batch, beside the losses it masks.
+    side_depth: int = 3
     # How many such ops after a step's leaves a write-back (a concat holding a slice of a
     # tensor of its own shape) is looked for before the structural retry is tried.
     write_back_hops: int = 3

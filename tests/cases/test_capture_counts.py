@@ -91,3 +91,70 @@ def test_a_token_count_averaged_over_the_ranks_does_not_refine() -> None:
     case = capture(make_case("averaged"))
     assert "loss" in wrong_numerically(case)
     assert case.check().verdict == "DOES NOT REFINE"
+
+
+# ---------------------------------------------------------------------------------------
+# a masked NLL over micro-batches: each micro-batch's masked sum divided by the global count
+
+
+def masked_sum(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logp = F.log_softmax(model(ids), -1)
+    nll = -logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (nll * (labels != IGNORE)).sum()
+
+
+def masked_seq_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    loss = masked_sum(model, ids, labels) / (labels != IGNORE).sum()
+    loss.backward()
+    return loss
+
+
+def micro_step(local_count: bool, micro: int = 2) -> Callable[..., torch.Tensor]:
+    def step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        n = (labels != IGNORE).sum()
+        dist.all_reduce(n)
+        total = torch.zeros(())
+        for xs, ys in zip(ids.chunk(micro), labels.chunk(micro), strict=True):
+            # the mask computed again per micro-batch; the bug divides by the micro-batch's count
+            loss = masked_sum(model, xs, ys) / ((ys != IGNORE).sum() if local_count else n)
+            loss.backward()
+            total = total + loss.detach()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        dist.all_reduce(total)
+        return total
+    return step
+
+
+def make_micro_case(local_count: bool = False, world: int = 2) -> capture.Spec:
+    torch.manual_seed(0)
+    seq = LM()
+    ids, labels = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
+    labels[0, 1] = IGNORE
+    b = B // world
+
+    def rank(r: int) -> capture.Step:
+        model = LM()
+        model.load_state_dict(seq.state_dict())
+        for p in model.parameters():
+            capture.replicate(p)
+        part = slice(r * b, (r + 1) * b)
+        return capture.Step(model, micro_step(local_count), {"ids": capture.shard(ids[part], 0),
+                                                             "labels": capture.shard(labels[part], 0)})
+
+    return capture.Spec(capture.Step(seq, masked_seq_step, {"ids": ids, "labels": labels}), rank, world_size=world,
+                        name=f"masked_nll_micro{'_local_count' if local_count else ''}")
+
+
+def test_a_masked_nll_over_micro_batches_refines() -> None:
+    """Each micro-batch masks its own labels: the prover takes that mask along with the
+    losses it masks (Policy.side_depth)."""
+    case = capture(make_micro_case())
+    assert wrong_numerically(case) == set()
+    assert case.check().verdict == "REFINES"
+
+
+def test_a_masked_nll_divided_by_each_micro_batchs_count_does_not_refine() -> None:
+    case = capture(make_micro_case(local_count=True))
+    assert "loss" in wrong_numerically(case)
+    assert case.check().verdict == "DOES NOT REFINE"

@@ -60,6 +60,19 @@ def _imported(tmp: Path, seq: str, dist: str, relations: str) -> Run:
     return _files((tmp / "seq.json", tmp / "dist.json"))
 
 
+def load_counts() -> Any:
+    from tests.cases import test_capture_counts
+
+    return test_capture_counts
+
+
+def _spec(spec: Any) -> Run:
+    from refine import capture
+
+    case = capture(spec)
+    return lambda policy: check(case.seq, case.dist, case.registry, policy=policy)
+
+
 def _captured(model: str, **kw: Any) -> Run:
     """A models/capture model, captured once (torch is imported only here)."""
     from refine import capture
@@ -86,6 +99,8 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
         "copied_rotated_kv_heads": lambda: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), rotary=True)),
         # the global norm of TP gradients (a fused op: its users' counterparts lie far downstream)
         "clip_norm": lambda: _captured("clip_norm", foreach=False),
+        # a masked NLL over two micro-batches, each masking its own labels
+        "masked_nll_micro": lambda: _spec(load_counts().make_micro_case()),
         **{f"copied_kv_heads_bug_{k}": (lambda h=h: _files(copied_kv_heads(tmp_path_factory.mktemp("kv"), h,
                                                                          rotary=False)))
            for k, h in WRONG_COPIES.items()},
@@ -170,6 +185,7 @@ USE: dict[str, str] = {
     "carry_ops": "gpt_tp2",
     "carry_hops": "gpt_tp2",
     "fact_depth": "qwen2_tp4",
+    "side_depth": "masked_nll_micro",
 }
 CORPUS_CASES = {"qwen2_tp2", "qwen2_tp4", "gpt_tp2"}  # 3-10 s a check
 
