@@ -50,11 +50,13 @@ from refine.ops.interp import (
     eval_ranks,
     eval_term,
     instantiate,
+    int_bounds,
     random_inputs,
     split_placed,
     valuation,
 )
 from refine.ops.registry import Registry
+from refine.ops.special import Mix, Specials, special_values
 from refine.verdict.expect import expectation_options
 from refine.verdict.reduce import apply as reduced_programs
 from refine.verdict.reduce import try_reduce
@@ -65,6 +67,9 @@ from refine.verdict.reduce import try_reduce
 # finds a bug; the further draws are for what one draw can miss: integer inputs (ids,
 # labels, masks) drawn from a few small values, and symbolic sizes at other valuations.
 TRIES = 4
+
+# Draws with plain random integers before the search mixes in the special values.
+PLAIN = 1
 
 # A difference is significant when it exceeds this fraction of the output's magnitude
 # (and of 1, for outputs near zero). float64 rounds at 2^-53 ~ 1.1e-16: sums reordered
@@ -95,13 +100,15 @@ class Counterexample:
     # a case too large to evaluate is searched at reduced sizes (refine.verdict.reduce): each
     # size it changed, original -> reduced; the inputs are the reduced programs'
     reduced: dict[int, int] = field(default_factory=dict)
+    # integer inputs the draw mixed special values into (refine.ops.special): input -> values
+    mixed: dict[str, list[int]] = field(default_factory=dict)
 
     def failing(self) -> list[OutputError]:
         return [o for o in self.outputs if not o.ok]
 
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "sizes": self.sizes, "reduced": {str(k): v for k, v in self.reduced.items()},
-                "outputs": [o.__dict__ for o in self.outputs]}
+                "mixed": self.mixed, "outputs": [o.__dict__ for o in self.outputs]}
 
 
 @dataclass
@@ -183,9 +190,11 @@ def _against(t: Term, registry: Registry, outs: Mapping[str, Tensor], want: Tens
     return significant(got, want)
 
 
-def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Search:
+def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES, plain: int = PLAIN) -> Search:
     """Draw up to `tries` inputs consistent with the relations; the first on which an output
-    differs is the counterexample."""
+    differs is the counterexample. Draws after the first `plain` ones mix into the integer
+    inputs the values the programs single out (`refine.ops.special`); a draw the programs
+    cannot evaluate with them is drawn again with fewer (the sure ones), then with none."""
     symbols = case_symbols(seq, dist)
     agreed, unchecked = 0, []
     reduced: dict[int, int] = {}
@@ -196,23 +205,44 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
                                                  f"elements, above the budget of {eval_budget():.3g}) and no "
                                                  f"reduction of its sizes: {got}")
         seq, dist, reduced = got
+    table: dict[str, Specials] | None = None
     for seed in range(tries):
         s, d, values = seq, dist, {}
         if symbols:
             values = valuation(symbols, seed)
             s, d = instantiate(seq, dist, values)
-        try:
-            seq_in, rank_in = random_inputs(s, d, seed, registry)
-            seq_vals = eval_graph(s, registry, seq_in)
-            rank_vals = eval_ranks(d.ranks, registry, rank_in)
-        except EvalError as e:
-            return Search(tries, agreed, skipped=str(e))
+        mixes: list[dict[str, Mix]] = [{}]
+        if seed >= plain:
+            if table is None or symbols:  # literals and sizes change with the valuation
+                table = special_values(s, d, registry, int_bounds(s, registry))
+            mixes = _mixes(table)
+        for mix in mixes:
+            try:
+                seq_in, rank_in = random_inputs(s, d, seed, registry, specials=mix)
+                seq_vals = eval_graph(s, registry, seq_in)
+                rank_vals = eval_ranks(d.ranks, registry, rank_in)
+            except EvalError as e:
+                if mix:  # a special value the programs cannot evaluate on: no evidence, draw with fewer
+                    continue
+                return Search(tries, agreed, skipped=str(e))
+            break
         errors, unchecked = compare(s, d, registry, seq_vals, rank_vals)
         if errors and not errors[0].ok:
-            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in, reduced),
+            mixed = {k: sorted({*m.first, *m.rest}) for k, m in mix.items() if m}
+            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in, reduced, mixed),
                           unchecked=unchecked)
         agreed += 1
     return Search(tries, agreed, unchecked=unchecked)
+
+
+def _mixes(table: Mapping[str, Specials]) -> list[dict[str, Mix]]:
+    """The special values to draw with, most first: all of them, the sure ones, none."""
+    out: list[dict[str, Mix]] = []
+    for unsure in (True, False):
+        mix = {k: m for k, sp in table.items() if (m := sp.mix(unsure))}
+        if mix and mix not in out:
+            out.append(mix)
+    return [*out, {}]
 
 
 # ---------------------------------------------------------------------------------------
@@ -400,7 +430,8 @@ def load(directory: str | Path) -> Counterexample:
     doc = json.loads((root / "counterexample.json").read_text())
     cex = Counterexample(int(doc["seed"]), {k: int(v) for k, v in doc["sizes"].items()},
                          [OutputError(**o) for o in doc["outputs"]],
-                         reduced={int(k): int(v) for k, v in doc.get("reduced", {}).items()})
+                         reduced={int(k): int(v) for k, v in doc.get("reduced", {}).items()},
+                         mixed={k: [int(x) for x in v] for k, v in doc.get("mixed", {}).items()})
     for t in doc["tensors"]:
         dtype = _DTYPES[t["dtype"]]
         data = (root / Path(t["file"]).name).read_bytes()  # a bare file name: never outside the directory
