@@ -10,6 +10,10 @@ output matches none of its options is the counterexample: the verdict is DOES NO
 A case too large to evaluate is searched at reduced sizes (`refine.verdict.reduce`: every
 size mapped small consistently); the counterexample records the map (`reduced`).
 When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexample.
+Integer inputs: the first draw (`PLAIN`) draws them below a bound; the later ones mix in the
+values the programs compare them with (`refine.ops.special`: an ignore_index, a padding id,
+a shard's range ends), before the values are split over the ranks. A draw the programs
+cannot evaluate on with those values is drawn again with fewer, then none: never a verdict.
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above
 rounding (`significant`) on concrete inputs that satisfy the relations. `write` stores its
@@ -65,7 +69,8 @@ from refine.verdict.reduce import try_reduce
 # on almost every real input (their difference, a composition of analytic ops, vanishes on
 # a set of measure zero unless it is zero everywhere), so one draw of the float inputs
 # finds a bug; the further draws are for what one draw can miss: integer inputs (ids,
-# labels, masks) drawn from a few small values, and symbolic sizes at other valuations.
+# labels, masks) drawn from a few small values and then from the values the programs single
+# out, and symbolic sizes at other valuations.
 TRIES = 4
 
 # Draws with plain random integers before the search mixes in the special values.
