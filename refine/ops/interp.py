@@ -48,7 +48,7 @@ from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
 from refine.ops.registry import Registry, load_registry
-from refine.ops.special import Mix
+from refine.ops.special import Mix, index_limits
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -391,7 +391,10 @@ def _random(typ: TensorType, gen: torch.Generator, bound: int) -> Tensor:
 
 def int_bounds(seq: Graph, registry: Registry) -> dict[str, int]:
     """For each sequential input read as embedding ids: the table's row count."""
-    core, _ = lower(seq, registry)
+    return _embedding_rows(lower(seq, registry)[0])
+
+
+def _embedding_rows(core: Graph) -> dict[str, int]:
     idx = core.index()
     out: dict[str, int] = {}
 
@@ -514,7 +517,8 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
     """Random sequential inputs and rank inputs that satisfy the dist's input relations.
 
     Integer inputs read as embedding ids are drawn below the table's row count (or
-    `int_bound`, or 8). `specials` (sequential input -> values, `refine.ops.special`) are
+    `int_bound`, or 8), and never at or above a size the sequential program indexes with
+    them (a gather over 6 classes: below 6). `specials` (sequential input -> values, `refine.ops.special`) are
     mixed into those inputs' values before they are split over the ranks (into a layout's
     rank leaves as they are drawn), so the draw stays consistent with the relations; the
     other values are the plain draw's of the same seed. Raises EvalError for a case too large to evaluate (`eval_budget`):
@@ -528,13 +532,17 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
     gen = torch.Generator().manual_seed(seed)
     mixing = torch.Generator().manual_seed(seed)  # apart: the plain values stay the same draw's
     specials = specials or {}
-    bounds = int_bounds(seq, registry)
+    core, _ = lower(seq, registry)
+    bounds = _embedding_rows(core)
+    ceilings = index_limits(core)  # a value at or above would fail the sequential program's lookup
 
     def bound_for(name: str) -> int:
         b = bounds.get(name)
         if b is None:
-            return int_bound if int_bound is not None else DEFAULT_INT_BOUND
-        return min(b, int_bound) if int_bound is not None else b
+            b = int_bound if int_bound is not None else DEFAULT_INT_BOUND
+        elif int_bound is not None:
+            b = min(b, int_bound)
+        return min(b, ceilings.get(name, b))
 
     seq_vals: dict[str, Tensor] = {}
     rank_vals: dict[int, dict[str, Tensor]] = {r: {} for r in dist.ranks}

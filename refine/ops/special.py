@@ -143,6 +143,16 @@ def singled_out(core: Graph, starts: set[str]) -> Singled:
     return out
 
 
+def index_limits(core: Graph) -> dict[str, int]:
+    """Per integer input of `core`: the smallest size it indexes into through moves (a
+    gather's class count, a table's rows), for inputs that reach an index use."""
+    out: dict[str, int] = {}
+    for i in core.inputs:
+        if i.type.dtype.startswith(("int", "uint")) and (lim := singled_out(core, {i.name}).limit) is not None:
+            out[i.name] = lim
+    return out
+
+
 @dataclass(frozen=True)
 class Specials:
     """The values to mix into one integer sequential input: the literals the sequential

@@ -37,11 +37,11 @@ def _nll(g: GraphBuilder, logp: str, t: str) -> tuple[str, str]:
     return total, g.op("sum", g.op("cast", valid, dtype="float32"))
 
 
-def ignore_index_mean(bug: bool) -> Case:
-    """The mean nll over the targets that are not ignore_index, data parallel: each rank sums
-    its tokens' nll and counts its valid tokens, both all-reduced. Bug: the rank divides by
-    every token, ignored ones included."""
-    n, c = 8, 8  # classes: the plain draw's targets lie below 8
+def ignore_index_mean(bug: bool, c: int = 8) -> Case:
+    """The mean nll over the targets that are not ignore_index (`c` classes), data parallel:
+    each rank sums its tokens' nll and counts its valid tokens, both all-reduced. Bug: the
+    rank divides by every token, ignored ones included."""
+    n = 8
     s = GraphBuilder()
     total, count = _nll(s, s.input("logp", [n, c]), s.input("t", [n], dtype="int64"))
     s.output("loss", s.op("div", total, count), role="loss")
@@ -225,6 +225,17 @@ def test_a_draw_the_programs_cannot_evaluate_is_no_evidence(tmp_path: Path) -> N
     assert special_values(seq, dist, reg, int_bounds(seq, reg))["ids"].guarded == (-1,)
     found = counterexample.search(seq, dist, reg, tries=4)
     assert found.found is None and found.skipped is None and found.agreed == 4, found
+
+
+def test_indices_are_drawn_below_the_size_they_index(tmp_path: Path) -> None:
+    """Targets gathered from 6 classes: drawn below 6, not below the default bound 8 (a plain
+    draw that fails the sequential lookup leaves no search at all)."""
+    seq, dist, reg = _loaded(tmp_path, ignore_index_mean(True, c=6))
+    for seed in range(4):
+        seq_in, _ = random_inputs(seq, dist, seed, reg)
+        assert 0 <= int(seq_in["t"].min()) and int(seq_in["t"].max()) < 6
+    s = counterexample.search(seq, dist, reg)
+    assert s.skipped is None and s.found is not None and s.found.mixed == {"t": [IGNORE]}, s
 
 
 # ---------------------------------------------------------------------------------------
