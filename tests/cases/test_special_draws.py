@@ -141,6 +141,13 @@ def test_a_bug_on_a_compared_value_has_a_counterexample(tmp_path: Path, name: st
     assert found is not None and found.mixed, str(report)
     assert found.seed >= counterexample.PLAIN  # a draw with special values, not a plain one
     assert "compare them with" in str(report)
+    # written and read back, it shows the difference again and says what was mixed in
+    counterexample.write(found, tmp_path / "cex")
+    loaded = counterexample.load(tmp_path / "cex")
+    assert loaded.mixed == found.mixed
+    reg = load_registry()
+    seq = load_seq(tmp_path / "seq.json", reg)
+    assert any(not o.ok for o in counterexample.replay(seq, load_dist(tmp_path / "dist.json", reg, seq), reg, loaded))
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
