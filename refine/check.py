@@ -261,14 +261,15 @@ def _elements(seq: Graph, dist: Dist) -> int:
 
 
 def _self_check(seq: Graph, dist: Dist, registry: Registry) -> None:
-    """Run a proven case once on random inputs; a difference is a SoundnessFailure."""
+    """Run a proven case once on random inputs (integer inputs partly drawn from the values
+    the programs compare them with, refine.ops.special); a difference is a SoundnessFailure."""
     from refine.verdict import counterexample
 
-    found = counterexample.search(seq, dist, registry, tries=1).found
+    found = counterexample.search(seq, dist, registry, tries=1, plain=0).found
     if found is not None:
         bad = found.failing()[0]
         raise SoundnessFailure(f"REFINES, but output {bad.output} differs on random inputs (seed {found.seed}, "
-                               f"sizes {found.sizes}): max abs error {bad.abs_err:.3g}, relative {bad.rel_err:.3g}, "
+                               f"sizes {found.sizes}{f', integers mixed with {found.mixed}' if found.mixed else ''}): max abs error {bad.abs_err:.3g}, relative {bad.rel_err:.3g}, "
                                f"against {bad.expectation}")
 
 

@@ -4,7 +4,8 @@
 `Registry`; `lower`: a loaded graph rewritten to core ops (`lower`), the form every later
 stage reasons about; `interp`: the ops' torch semantics run on graphs, rank programs
 (collectives simulated in an order `schedule` allows) and relation terms, and random inputs
-consistent with a program's relations; `schedule`: the ranks' program order, matched
+consistent with a program's relations; `special`: the integer values a program singles out
+(the literals it compares an input with), which random draws mix in; `schedule`: the ranks' program order, matched
 communication op by op, and whether it deadlocks. In: graphs and terms (`refine.ir`). Out:
 their meaning, as shapes, core graphs and values.
 """

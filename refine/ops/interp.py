@@ -48,6 +48,7 @@ from refine.ir.term import LEAF_OPS, OPAQUE, Term
 from refine.ops import schedule
 from refine.ops.lower import lower, normalize_attrs
 from refine.ops.registry import Registry, load_registry
+from refine.ops.special import Mix, index_limits
 
 Tensor = torch.Tensor
 DEFAULT_INT_BOUND = 8
@@ -390,7 +391,10 @@ def _random(typ: TensorType, gen: torch.Generator, bound: int) -> Tensor:
 
 def int_bounds(seq: Graph, registry: Registry) -> dict[str, int]:
     """For each sequential input read as embedding ids: the table's row count."""
-    core, _ = lower(seq, registry)
+    return _embedding_rows(lower(seq, registry)[0])
+
+
+def _embedding_rows(core: Graph) -> dict[str, int]:
     idx = core.index()
     out: dict[str, int] = {}
 
@@ -508,11 +512,16 @@ def eval_budget() -> int:
 
 
 def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | None = None,
-                  int_bound: int | None = None) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
+                  int_bound: int | None = None, specials: Mapping[str, Mix] | None = None
+                  ) -> tuple[dict[str, Tensor], dict[int, dict[str, Tensor]]]:
     """Random sequential inputs and rank inputs that satisfy the dist's input relations.
 
     Integer inputs read as embedding ids are drawn below the table's row count (or
-    `int_bound`, or 8). Raises EvalError for a case too large to evaluate (`eval_budget`):
+    `int_bound`, or 8), and never at or above a size the sequential program indexes with
+    them (a gather over 6 classes: below 6). `specials` (sequential input -> values, `refine.ops.special`) are
+    mixed into those inputs' values before they are split over the ranks (into a layout's
+    rank leaves as they are drawn), so the draw stays consistent with the relations; the
+    other values are the plain draw's of the same seed. Raises EvalError for a case too large to evaluate (`eval_budget`):
     the callers (localization's counterfactual edits, audits) then do without, where
     evaluating a gpt-sized graph would take tens of GB and be killed."""
     n = eval_elements(seq, dist)
@@ -521,13 +530,19 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
                         f"{eval_budget():.3g} (REFINE_EVAL_BUDGET)")
     registry = registry or load_registry()
     gen = torch.Generator().manual_seed(seed)
-    bounds = int_bounds(seq, registry)
+    mixing = torch.Generator().manual_seed(seed)  # apart: the plain values stay the same draw's
+    specials = specials or {}
+    core, _ = lower(seq, registry)
+    bounds = _embedding_rows(core)
+    ceilings = index_limits(core)  # a value at or above would fail the sequential program's lookup
 
     def bound_for(name: str) -> int:
         b = bounds.get(name)
         if b is None:
-            return int_bound if int_bound is not None else DEFAULT_INT_BOUND
-        return min(b, int_bound) if int_bound is not None else b
+            b = int_bound if int_bound is not None else DEFAULT_INT_BOUND
+        elif int_bound is not None:
+            b = min(b, int_bound)
+        return min(b, ceilings.get(name, b))
 
     seq_vals: dict[str, Tensor] = {}
     rank_vals: dict[int, dict[str, Tensor]] = {r: {} for r in dist.ranks}
@@ -542,10 +557,12 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
     for rel in sorted(relations, key=lambda r: r.layout is None):
         typ = seq_types[rel.source]
         if rel.layout is not None:
-            def leaf_value(name: str, bound: int = bound_for(rel.source)) -> Tensor:
+            def leaf_value(name: str, bound: int = bound_for(rel.source), source: str = rel.source) -> Tensor:
                 base, r = _rank_leaf(name)
                 if base not in rank_vals[r]:
-                    rank_vals[r][base] = _random(rank_types[r][base], gen, bound)
+                    x = _random(rank_types[r][base], gen, bound)
+                    mix = specials.get(source)
+                    rank_vals[r][base] = mix.apply(x, mixing) if mix and x.dtype == torch.int64 else x
                 return rank_vals[r][base]
             eval_term(rel.layout, registry, leaf_value)  # draws the layout's leaves
             for rep in rel.replicas:  # the regions the layout reads, copied where the replica reads them
@@ -563,6 +580,8 @@ def random_inputs(seq: Graph, dist: Dist, seed: int = 0, registry: Registry | No
                     raise EvalError(f"the replicas of the layout for {rel.source!r} overlap: no inputs satisfy them all")
             continue
         x = _random(typ, gen, bound_for(rel.source))
+        if (mix := specials.get(rel.source)) and x.dtype == torch.int64:
+            x = mix.apply(x, mixing)
         seq_vals[rel.source] = x
         assert rel.placements is not None
         local = rel.local or rel.source

@@ -10,6 +10,10 @@ output matches none of its options is the counterexample: the verdict is DOES NO
 A case too large to evaluate is searched at reduced sizes (`refine.verdict.reduce`: every
 size mapped small consistently, by role); the counterexample records the map (`reduced`).
 When every draw agrees the verdict is UNPROVEN: neither a proof nor a counterexample.
+Integer inputs: the first draw (`PLAIN`) draws them below a bound; the later ones mix in the
+values the programs compare them with (`refine.ops.special`: an ignore_index, a padding id,
+a shard's range ends), before the values are split over the ranks. A draw the programs
+cannot evaluate on with those values is drawn again with fewer, then none: never a verdict.
 
 A counterexample is evidence, not a proof obligation: a float64 difference far above
 rounding (`significant`) on concrete inputs that satisfy the relations. `write` stores its
@@ -50,11 +54,13 @@ from refine.ops.interp import (
     eval_ranks,
     eval_term,
     instantiate,
+    int_bounds,
     random_inputs,
     split_placed,
     valuation,
 )
 from refine.ops.registry import Registry
+from refine.ops.special import Mix, Specials, special_values
 from refine.verdict.expect import expectation_options
 from refine.verdict.reduce import Sizes, try_reduce
 from refine.verdict.reduce import apply as reduced_programs
@@ -63,8 +69,12 @@ from refine.verdict.reduce import apply as reduced_programs
 # on almost every real input (their difference, a composition of analytic ops, vanishes on
 # a set of measure zero unless it is zero everywhere), so one draw of the float inputs
 # finds a bug; the further draws are for what one draw can miss: integer inputs (ids,
-# labels, masks) drawn from a few small values, and symbolic sizes at other valuations.
+# labels, masks) drawn from a few small values and then from the values the programs single
+# out, and symbolic sizes at other valuations.
 TRIES = 4
+
+# Draws with plain random integers before the search mixes in the special values.
+PLAIN = 1
 
 # A difference is significant when it exceeds this fraction of the output's magnitude
 # (and of 1, for outputs near zero). float64 rounds at 2^-53 ~ 1.1e-16: sums reordered
@@ -96,13 +106,15 @@ class Counterexample:
     # size it changed, original -> reduced (a list where the size's roles reduce apart: one
     # per role, `refine.verdict.reduce.Sizes`); the inputs are the reduced programs'
     reduced: Sizes = field(default_factory=dict)
+    # integer inputs the draw mixed special values into (refine.ops.special): input -> values
+    mixed: dict[str, list[int]] = field(default_factory=dict)
 
     def failing(self) -> list[OutputError]:
         return [o for o in self.outputs if not o.ok]
 
     def to_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "sizes": self.sizes, "reduced": {str(k): v for k, v in self.reduced.items()},
-                "outputs": [o.__dict__ for o in self.outputs]}
+                "mixed": self.mixed, "outputs": [o.__dict__ for o in self.outputs]}
 
 
 @dataclass
@@ -184,9 +196,11 @@ def _against(t: Term, registry: Registry, outs: Mapping[str, Tensor], want: Tens
     return significant(got, want)
 
 
-def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Search:
+def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES, plain: int = PLAIN) -> Search:
     """Draw up to `tries` inputs consistent with the relations; the first on which an output
-    differs is the counterexample."""
+    differs is the counterexample. Draws after the first `plain` ones mix into the integer
+    inputs the values the programs single out (`refine.ops.special`); a draw the programs
+    cannot evaluate with them is drawn again with fewer (the sure ones), then with none."""
     symbols = case_symbols(seq, dist)
     agreed, unchecked = 0, []
     reduced: Sizes = {}
@@ -197,23 +211,44 @@ def search(seq: Graph, dist: Dist, registry: Registry, tries: int = TRIES) -> Se
                                                  f"elements, above the budget of {eval_budget():.3g}) and no "
                                                  f"reduction of its sizes: {got}")
         seq, dist, reduced = got
+    table: dict[str, Specials] | None = None
     for seed in range(tries):
         s, d, values = seq, dist, {}
         if symbols:
             values = valuation(symbols, seed)
             s, d = instantiate(seq, dist, values)
-        try:
-            seq_in, rank_in = random_inputs(s, d, seed, registry)
-            seq_vals = eval_graph(s, registry, seq_in)
-            rank_vals = eval_ranks(d.ranks, registry, rank_in)
-        except EvalError as e:
-            return Search(tries, agreed, skipped=str(e))
+        mixes: list[dict[str, Mix]] = [{}]
+        if seed >= plain:
+            if table is None or symbols:  # literals and sizes change with the valuation
+                table = special_values(s, d, registry, int_bounds(s, registry))
+            mixes = _mixes(table)
+        for mix in mixes:
+            try:
+                seq_in, rank_in = random_inputs(s, d, seed, registry, specials=mix)
+                seq_vals = eval_graph(s, registry, seq_in)
+                rank_vals = eval_ranks(d.ranks, registry, rank_in)
+            except EvalError as e:
+                if mix:  # a special value the programs cannot evaluate on: no evidence, draw with fewer
+                    continue
+                return Search(tries, agreed, skipped=str(e))
+            break
         errors, unchecked = compare(s, d, registry, seq_vals, rank_vals)
         if errors and not errors[0].ok:
-            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in, reduced),
+            mixed = {k: sorted({*m.first, *m.rest}) for k, m in mix.items() if m}
+            return Search(seed + 1, agreed, Counterexample(seed, values, errors, seq_in, rank_in, reduced, mixed),
                           unchecked=unchecked)
         agreed += 1
     return Search(tries, agreed, unchecked=unchecked)
+
+
+def _mixes(table: Mapping[str, Specials]) -> list[dict[str, Mix]]:
+    """The special values to draw with, most first: all of them, the sure ones, none."""
+    out: list[dict[str, Mix]] = []
+    for unsure in (True, False):
+        mix = {k: m for k, sp in table.items() if (m := sp.mix(unsure))}
+        if mix and mix not in out:
+            out.append(mix)
+    return [*out, {}]
 
 
 # ---------------------------------------------------------------------------------------
@@ -402,7 +437,8 @@ def load(directory: str | Path) -> Counterexample:
     cex = Counterexample(int(doc["seed"]), {k: int(v) for k, v in doc["sizes"].items()},
                          [OutputError(**o) for o in doc["outputs"]],
                          reduced={int(k): [int(x) for x in v] if isinstance(v, list) else int(v)
-                                  for k, v in doc.get("reduced", {}).items()})
+                                  for k, v in doc.get("reduced", {}).items()},
+                         mixed={k: [int(x) for x in v] for k, v in doc.get("mixed", {}).items()})
     for t in doc["tensors"]:
         dtype = _DTYPES[t["dtype"]]
         data = (root / Path(t["file"]).name).read_bytes()  # a bare file name: never outside the directory

@@ -199,6 +199,9 @@ def _search_lines(search: Search | None) -> list[str]:
                 for k, v in sorted(cex.reduced.items()))
         out = [f"counterexample: random inputs consistent with the input relations (seed {cex.seed}{at}) on which "
                "the outputs differ:"]
+        if cex.mixed:  # refine.ops.special: the values the programs compare the integer inputs with
+            out.insert(1, "  integer inputs drawn partly from the values the programs compare them with: "
+                       + "; ".join(f"{k}: {', '.join(map(str, v))}" for k, v in sorted(cex.mixed.items())))
         out += [f"  {o.output}: max abs error {o.abs_err:.3g}, max rel error {o.rel_err:.3g} against {o.expectation}"
                 for o in cex.failing()]
         return out

@@ -163,6 +163,17 @@ def test_predicted_not_all_reduced_is_found_where_a_rank_uses_its_piece() -> Non
         CE_PATH, "loss = (1.0 - label_smoothing) * loss + label_smoothing / V * smooth_loss")
 
 
+def test_ignored_in_denominator_has_a_counterexample_with_ignored_targets() -> None:
+    # only ignored targets show the bug, and a plain draw (classes below a bound) has none:
+    # the counterexample is a draw with the values the programs compare the targets with
+    report = capture(CE.make_case(bug="ignored_in_denominator")).check()
+    assert report.verdict == "DOES NOT REFINE" and report.search is not None, str(report)
+    found = report.search.found
+    assert found is not None and CE.IGNORE in found.mixed["target"], str(report)
+    assert (found.seq_inputs["target"] == CE.IGNORE).any() and (found.seq_inputs["target"] != CE.IGNORE).any()
+    assert "compare them with" in str(report)
+
+
 def test_ignored_in_denominator_is_found_at_the_float_token_count() -> None:
     report, c = _culprit("ignored_in_denominator")
     assert failing(report) == {"loss"} | GRADS
