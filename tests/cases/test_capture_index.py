@@ -99,3 +99,56 @@ def test_a_boolean_mask_index_is_refused() -> None:
                         rank=lambda r: capture.Step(Masked(), step, {"m": m}), world_size=2)
     with pytest.raises(capture.CaptureError, match="bool"):
         capture(spec)
+
+
+# ---------------------------------------------------------------------------------------
+# writes through a boolean mask: x[mask] = v where v is the same for every selected element
+# or row is a `where` (a masked_fill for a constant), no size depending on the data
+
+PUTS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "scalar": lambda t, m, row: _put(t, m, lambda u: u.__setitem__(m, 0.0)),
+    "rows": lambda t, m, row: _put(t, m[:, 0], lambda u: u.__setitem__((m[:, 0], slice(None)), 0.0)),
+    "one_row": lambda t, m, row: _put(t, m[:, 0], lambda u: u.__setitem__(m[:, 0], row)),
+    "accumulate": lambda t, m, row: t.index_put((m,), torch.tensor(2.0), accumulate=True),
+}
+
+
+def _put(t: torch.Tensor, m: torch.Tensor, write: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    u = t.clone()
+    write(u)
+    return u
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        # a buffer: the gradient of a row written through a mask reads the mask's rows (x[mask])
+        self.register_buffer("row", torch.randn(3))
+
+
+def make_put_case(put: str) -> capture.Spec:
+    torch.manual_seed(0)
+    seq = Masked()
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+
+    def step(model: Masked, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(PUTS[put](model.w * x, x > 0, model.row), y)
+        loss.backward()
+        return loss
+
+    def rank(r: int) -> capture.Step:
+        local = Masked()
+        local.load_state_dict(seq.state_dict())
+        for t in (local.w, local.row):
+            capture.replicate(t)
+        return capture.Step(local, step, {"x": x, "y": y})
+
+    return capture.Spec(capture.Step(seq, step, {"x": x, "y": y}), rank, world_size=2, name=f"put_{put}")
+
+
+@pytest.mark.parametrize("put", sorted(PUTS))
+def test_a_write_through_a_boolean_mask_captures_and_refines(put: str) -> None:
+    case = capture(make_put_case(put))  # capture's float64 replay checks the translation
+    assert not {n.op for n in case.seq.nodes} & {"index_put", "index_rows"}
+    assert case.check().verdict == "REFINES"

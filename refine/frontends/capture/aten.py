@@ -227,11 +227,54 @@ def _index(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     return em.emit("permute", [picked], {"dims": rows.back})
 
 
+def _masked_put(em: EmitterAPI, x: Arg, indices: list[Any], values: Any, accumulate: bool) -> str | None:
+    """`x[mask] = v` (`+= v`) with one boolean mask over consecutive dims: a `where` over x's
+    shape, when v is the same for every selected element or row (it broadcasts to any number
+    of them: a scalar, or one row), so no size depends on the data (Megatron's
+    vocab-parallel embedding zeroes the ids and rows outside its vocab range this way).
+    None when the index is not such a mask."""
+    at = [d for d, t in enumerate(indices) if t is not None]
+    if len(at) != 1:
+        return None
+    mask = em.value(indices[at[0]])
+    mtype = em.type(mask)
+    if mtype.dtype != "bool":
+        return None
+    shape = em.type(x).shape
+    p, m = at[0], len(mtype.shape)
+    rest = shape[p + m:]
+    v = em.value(values)
+    vshape = em.type(v).shape
+    fill = em.fills.get(v) if isinstance(v, str) else float(v)
+    # v must broadcast to (count, *rest) for any count, and then sits before the rest
+    if len(vshape) > len(rest) and any(s != 1 for s in vshape[:len(vshape) - len(rest)]):
+        raise em.fail(f"index_put by a boolean mask with values of shape {list(vshape)}: one value per selected "
+                      "element makes a size depend on the data")
+    vshape = vshape[len(vshape) - len(rest):] if len(vshape) > len(rest) else vshape
+    if tuple(em.type(v).shape) != tuple(vshape):
+        v = em.emit("reshape", [v], {"shape": list(vshape)}, final=False, suffix="mask_v")
+    full_mask = em.emit("expand_as_shape", [em.emit("reshape", [mask], {"shape": [1] * p + list(mtype.shape) + [1] * len(rest)},
+                                                    final=False, suffix="mask_m")],
+                        {"shape": list(shape)}, final=False, suffix="mask_e")
+    if fill is not None and not accumulate:  # one constant: a masked_fill, as a user writes it
+        return em.emit("masked_fill", [x, full_mask], {"value": fill})
+    spread = em.emit("expand_as_shape", [v], {"shape": list(shape)}, final=False, suffix="mask_s") \
+        if tuple(vshape) != tuple(shape) else v
+    if not accumulate:
+        return em.emit("where", [full_mask, spread, x], {})
+    zero = em.emit("full", [], {"value": 0.0, "shape": list(shape)}, final=False, suffix="mask_0",
+                   dtype=em.type(x).dtype)
+    return em.emit("add", [x, em.emit("where", [full_mask, spread, zero], {}, final=False, suffix="mask_w")], {})
+
+
 def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """index_put(self, indices, values, accumulate): refine's index_put over dim 0 of the
     indexed dims merged (_Rows), values laid out as the rows the lookup would pick, the
     result's dims moved back."""
     x = em.value(a["self"])
+    masked = _masked_put(em, x, list(a["indices"]), a["values"], bool(a.get("accumulate", False)))
+    if masked is not None:
+        return masked
     rows = _Rows(em, x, list(a["indices"]))  # type: ignore[arg-type]
     acc = {"accumulate": bool(a.get("accumulate", False))}
     if rows.dims == [0]:
