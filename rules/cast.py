@@ -21,7 +21,7 @@ from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Fact, Op, Rule, Sample, ShapeError, rule
+from refine.ops.registry import Fact, Op, Rule, Sample, ShapeError, every_term, rule
 
 
 def _cast_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -67,22 +67,14 @@ OPS = [
 # or). What a cast's operand is made of decides whether the cast passes over a Sum: a count
 # of tokens cast to float before its all-reduce (cast(n@0) + cast(n@1)) is the cast of the
 # summed count. Analysis rules (run with the shape rules, to saturation), walking a sum's
-# terms as rules/vector_norm.py's NonNeg does.
+# terms as rules/vector_norm.py's NonNeg does (`every_term`).
 NUMERIC = [
     rule("numeric-cast", ["(= e (cast_float_t x))"], ["(Numeric e)"], analysis=True),
     rule("numeric-rsum", ["(= e (rsum x d))"], ["(Numeric e)"], analysis=True),  # torch counts bools as int64
     *(rule(f"numeric-{op}", [f"(= e ({op} x {args}))", "(Numeric x)"], ["(Numeric e)"], analysis=True)
       for op, args in (("Scale", "r"), ("view", "s"), ("expand", "s"), ("slice", "d st en"), ("transpose", "i j"))),
     rule("numeric-cat", ["(= e (cat a b d))", "(Numeric a)", "(Numeric b)"], ["(Numeric e)"], analysis=True),
-    rule("numeric-sum-start", ["(= e (Sum ms))", "(Numeric (multiset-pick ms))"], ["(NumTodo ms)"], analysis=True),
-    rule("numeric-sum-last", ["(NumTodo ms)", "(= (multiset-length ms) 1)", "(Numeric (multiset-pick ms))"],
-         ["(NumAll ms)"], analysis=True),
-    rule("numeric-sum-next", ["(NumTodo ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", "(Numeric p)",
-                              "(= rest (multiset-remove ms p))", "(Numeric (multiset-pick rest))"],
-         ["(NumTodo rest)"], analysis=True),
-    rule("numeric-sum-all", ["(NumTodo ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", "(Numeric p)",
-                             "(NumAll (multiset-remove ms p))"], ["(NumAll ms)"], analysis=True),
-    rule("numeric-sum", ["(= e (Sum ms))", "(NumAll ms)"], ["(Numeric e)"], analysis=True),
+    *every_term("numeric", "Numeric", "NumTodo", "NumAll"),
 ]
 
 # cast_float_t also gets the unary templates (over cat, into slice); over a Sum only of numbers

@@ -24,7 +24,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Fact, Op, Rule, ShapeError, rewrite, rule
+from refine.ops.registry import Fact, Op, Rule, ShapeError, every_term, rewrite, rule
 
 
 def _dims(attrs: dict[str, Any], ndim: int) -> tuple[int, ...]:
@@ -119,17 +119,8 @@ NONNEG = [
       for op in ("rsum", "rmax", "rmean")),
     rule("nonneg-scale", ["(= e (Scale x r))", "(NonNeg x)", f"(>= r {ZERO})"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-mul", ["(= e (mul_t x y))", "(NonNeg x)", "(NonNeg y)"], ["(NonNeg e)"], analysis=True),
-    # a sum whose every term is non-negative: (NNTodo ms) walks a sum's multiset one picked
-    # term at a time while the terms are non-negative, (NNAll ms) says all of ms are
-    rule("nonneg-sum-start", ["(= e (Sum ms))", "(NonNeg (multiset-pick ms))"], ["(NNTodo ms)"], analysis=True),
-    rule("nonneg-sum-last", ["(NNTodo ms)", "(= (multiset-length ms) 1)", "(NonNeg (multiset-pick ms))"],
-         ["(NNAll ms)"], analysis=True),
-    rule("nonneg-sum-next", ["(NNTodo ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", "(NonNeg p)",
-                             "(= rest (multiset-remove ms p))", "(NonNeg (multiset-pick rest))"],
-         ["(NNTodo rest)"], analysis=True),
-    rule("nonneg-sum-all", ["(NNTodo ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", "(NonNeg p)",
-                            "(NNAll (multiset-remove ms p))"], ["(NNAll ms)"], analysis=True),
-    rule("nonneg-sum", ["(= e (Sum ms))", "(NNAll ms)"], ["(NonNeg e)"], analysis=True),
+    # a sum whose every term is non-negative
+    *every_term("nonneg", "NonNeg", "NNTodo", "NNAll"),
     rule("nonneg-view", ["(= e (view x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-expand", ["(= e (expand x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-slice", ["(= e (slice x d st en))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),

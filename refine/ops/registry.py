@@ -409,6 +409,25 @@ def rule(name: str, query: list[str], actions: list[str], doc: str = "", symboli
     return Rule.of(name, (Sym("rule"), tuple(q), tuple(acts)), doc=doc, symbolic=symbolic, analysis=analysis)
 
 
+def every_term(prefix: str, fact: str, todo: str, every: str) -> list[Rule]:
+    """Analysis rules deriving `(fact e)` for a Sum e whose every term has it: `(todo ms)`
+    walks a sum's multiset one picked term at a time while the terms have it, `(every ms)`
+    says all of ms do (egglog has no quantifier over a multiset's elements)."""
+    def r(name: str, query: list[str], actions: list[str]) -> Rule:
+        return rule(f"{prefix}-{name}", query, actions, analysis=True)
+
+    return [
+        r("sum-start", ["(= e (Sum ms))", f"({fact} (multiset-pick ms))"], [f"({todo} ms)"]),
+        r("sum-last", [f"({todo} ms)", "(= (multiset-length ms) 1)", f"({fact} (multiset-pick ms))"],
+          [f"({every} ms)"]),
+        r("sum-next", [f"({todo} ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", f"({fact} p)",
+                       "(= rest (multiset-remove ms p))", f"({fact} (multiset-pick rest))"], [f"({todo} rest)"]),
+        r("sum-all", [f"({todo} ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", f"({fact} p)",
+                      f"({every} (multiset-remove ms p))"], [f"({every} ms)"]),
+        r("sum", ["(= e (Sum ms))", f"({every} ms)"], [f"({fact} e)"]),
+    ]
+
+
 def _hoist(x: Sexp, start: int = 0) -> tuple[Sexp, list[Sexp]]:
     """Replace each `(shape X)` with a variable bound by a query fact."""
     binds: list[Sexp] = []

@@ -60,7 +60,9 @@ def rank_step(how: str) -> Callable[..., torch.Tensor]:
     return step
 
 
-def make_case(how: str, world: int = 2) -> capture.Spec:
+def _spec(seq_step: Callable[..., torch.Tensor], step: Callable[..., torch.Tensor], name: str,
+          world: int = 2) -> capture.Spec:
+    """The LM on a batch with one ignored target, its batch split over data-parallel ranks."""
     torch.manual_seed(0)
     seq = LM()
     ids, labels = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
@@ -73,11 +75,13 @@ def make_case(how: str, world: int = 2) -> capture.Spec:
         for p in model.parameters():
             capture.replicate(p)
         part = slice(r * b, (r + 1) * b)
-        return capture.Step(model, rank_step(how), {"ids": capture.shard(ids[part], 0),
-                                                    "labels": capture.shard(labels[part], 0)})
+        return capture.Step(model, step, {"ids": capture.shard(ids[part], 0), "labels": capture.shard(labels[part], 0)})
 
-    return capture.Spec(capture.Step(seq, seq_step, {"ids": ids, "labels": labels}), rank, world_size=world,
-                        name=f"token_count_{how}")
+    return capture.Spec(capture.Step(seq, seq_step, {"ids": ids, "labels": labels}), rank, world_size=world, name=name)
+
+
+def make_case(how: str) -> capture.Spec:
+    return _spec(seq_step, rank_step(how), f"token_count_{how}")
 
 
 @pytest.mark.parametrize("how", ["cast_then_sum", "sum_then_cast"])
@@ -126,24 +130,8 @@ def micro_step(local_count: bool, micro: int = 2) -> Callable[..., torch.Tensor]
     return step
 
 
-def make_micro_case(local_count: bool = False, world: int = 2) -> capture.Spec:
-    torch.manual_seed(0)
-    seq = LM()
-    ids, labels = torch.randint(0, V, (B, S)), torch.randint(0, V, (B, S))
-    labels[0, 1] = IGNORE
-    b = B // world
-
-    def rank(r: int) -> capture.Step:
-        model = LM()
-        model.load_state_dict(seq.state_dict())
-        for p in model.parameters():
-            capture.replicate(p)
-        part = slice(r * b, (r + 1) * b)
-        return capture.Step(model, micro_step(local_count), {"ids": capture.shard(ids[part], 0),
-                                                             "labels": capture.shard(labels[part], 0)})
-
-    return capture.Spec(capture.Step(seq, masked_seq_step, {"ids": ids, "labels": labels}), rank, world_size=world,
-                        name=f"masked_nll_micro{'_local_count' if local_count else ''}")
+def make_micro_case(local_count: bool = False) -> capture.Spec:
+    return _spec(masked_seq_step, micro_step(local_count), f"masked_nll_micro{'_local_count' if local_count else ''}")
 
 
 def test_a_masked_nll_over_micro_batches_refines() -> None:
