@@ -14,8 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -25,7 +23,7 @@ from refine.frontends.graphfile import load_seq
 from refine.ops.interp import close, eval_graph
 from refine.ops.lower import lower
 from refine.ops.registry import load_registry
-from tests.helpers.capture import wrong_numerically
+from tests.helpers.capture import CopyToTP, ReduceFromTP, wrong_numerically
 
 REG = load_registry()
 B, S, H, NH = 2, 4, 16, 4
@@ -59,31 +57,6 @@ def test_any_lowers_to_what_torch_computes(tmp_path: Path, dtype: str, attrs: di
 # a tensor-parallel attention step through SDPA
 
 
-class Reduce(torch.autograd.Function):
-    """Megatron's "g": all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(x, "sum", dist.group.WORLD)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g
-
-
-class Copy(torch.autograd.Function):
-    """Megatron's "f": identity forward, all-reduce of the input gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(g)
-        return g
-
-
 def _triu(s: torch.Tensor, diag: int) -> torch.Tensor:
     return s.masked_fill(torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=diag), float("-inf"))
 
@@ -110,7 +83,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.tp:
-            x = Copy.apply(x)
+            x = CopyToTP.apply(x)
         q, k, v = (p(x).view(B, S, self.heads, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
         if self.mask in INLINE:  # written out, the mask built inline from constants
             scores = q @ k.transpose(-1, -2) / HD ** 0.5
@@ -122,7 +95,7 @@ class Attention(nn.Module):
         else:
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = self.o(a.transpose(1, 2).reshape(B, S, self.heads * HD))
-        return Reduce.apply(out) if self.tp and not self.bug else out
+        return ReduceFromTP.apply(out) if self.tp and not self.bug else out
 
 
 def step(model: Attention, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

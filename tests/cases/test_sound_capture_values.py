@@ -24,7 +24,7 @@ from torch import nn
 
 from refine import capture
 from refine.frontends.capture import CaptureError
-from tests.helpers.capture import MODELS, load_model
+from tests.helpers.capture import MODELS, CopyToTP, ReduceFromTP, load_model
 
 TP = load_model("tp_mlp")
 
@@ -164,31 +164,6 @@ def test_a_guessed_shard_the_values_contradict_is_refused() -> None:
 
 # ---------------------------------------------------------------------------------------
 # a Partial(sum) data input: each rank holds a part of x, the parts must add up to x
-
-
-class ReduceFromTP(torch.autograd.Function):
-    """The all-reduce forward, the identity backward (Megatron's "g")."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return funcol.all_reduce(x, "sum", dist.group.WORLD)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
-class CopyToTP(torch.autograd.Function):
-    """The identity forward, the input gradient all-reduced backward (Megatron's "f")."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(grad)
-        return grad
 
 
 def sq_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Helpers the capture tests share: load a model file from models/capture, capture a step
-saying how long it took, find a source line in it, and read which outputs a report or a
-numeric run finds wrong."""
+saying how long it took, find a source line in it, read which outputs a report or a
+numeric run finds wrong, and Megatron's two tensor-parallel regions written by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from refine import capture
 from refine.oracle.differential import differential
@@ -47,3 +51,28 @@ def failing(report: Any) -> set[str]:
 def wrong_numerically(case: capture.Case) -> set[str]:
     """Outputs that `refine.oracle.differential.differential` finds wrong on random inputs."""
     return {d.output for d in differential(case.seq, case.dist, case.registry, seed=3) if d.ok is False}
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """The all-reduce forward, the identity backward (Megatron's "g")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class CopyToTP(torch.autograd.Function):
+    """The identity forward, the input gradient all-reduced backward (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(grad)
+        return grad
