@@ -19,8 +19,11 @@ EXPECTED: dict[str, str | None] = {
     "tp_mlp_bug_double_all_reduce": "fc2_bias",
     "sp_mlp": None,
     "sp_mlp_4ranks": None,
-    # the gathered tokens reach fc1 in another order than the reduce_scatter hands them back
-    "sp_mlp_bug_gather_wrong_order": "fc1",
+    # the gathered tokens reach fc1 in another order than the reduce_scatter hands them back:
+    # every node relates (the ranks hold each token's values, reordered: cat(y@1, y@0)) and
+    # the order is wrong where the output is compared; the rank line the counterexample
+    # names is the gather (tests/cases/test_verdicts.py)
+    "sp_mlp_bug_gather_wrong_order": "fc2_bias",
     # gathered along the hidden dim and viewed as [T, H]: fc1 reads interleaved rows
     "sp_mlp_bug_gather_wrong_dim": "fc1",
     "sp_mlp_bug_bias_before_reduce_scatter": "fc2_bias",
