@@ -30,7 +30,9 @@ from torch import nn
 from refine import capture
 
 B, H, FFN = 8, 16, 32  # global batch, hidden size, MLP size
-BUGS = ("loss_divided_twice", "mean_over_global_batch")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "loss_divided_twice": {}, "mean_over_global_batch": {},
+}
 
 
 class MLP(nn.Module):

@@ -40,7 +40,9 @@ tp_mlp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tp_mlp)
 
 MAX_NORM = 0.25  # below the gradients' global norm (about 0.55): clipping really scales them
-BUGS = ("replicated_norm_all_reduced", "norm_not_all_reduced")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "replicated_norm_all_reduced": {}, "norm_not_all_reduced": {},
+}
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, foreach: bool | None = None) -> torch.Tensor:

@@ -53,8 +53,12 @@ from torch.distributed.tensor.parallel import (
 from refine import capture
 
 T, H, FFN = 8, 16, 32  # tokens, hidden size, MLP size
-BUGS = {"partial_output_loss": False, "grad_placements_partial": False, "local_loss": True,
-        "ln_grad_not_reduced": True}  # bug -> sequence parallel
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "partial_output_loss": {},
+    "grad_placements_partial": {},
+    "local_loss": {"sequence_parallel": True},
+    "ln_grad_not_reduced": {"sequence_parallel": True},
+}
 
 
 class MLP(nn.Module):
@@ -108,9 +112,9 @@ def ln_grad_not_reduced_step(model: nn.Module, x: torch.Tensor, target: torch.Te
 def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bool = False) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
-    if bug is not None and BUGS[bug] != sequence_parallel:
-        raise ValueError(f"bug {bug!r} is a twin of the {'sequence' if BUGS[bug] else 'tensor'}-parallel variant: "
-                         f"pass sequence_parallel={BUGS[bug]}")
+    if bug is not None and BUGS[bug].get("sequence_parallel", False) != sequence_parallel:
+        raise ValueError(f"bug {bug!r} is a twin of the {'tensor' if sequence_parallel else 'sequence'}-parallel "
+                         f"variant: make_case(bug={bug!r}, sequence_parallel={not sequence_parallel})")
     torch.manual_seed(0)
     seq = MLP()
     x, target = torch.randn(T, H), torch.randn(T, H)
@@ -121,8 +125,9 @@ def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bo
         model = copy.deepcopy(seq)
         step = train_step
         if not sequence_parallel:
-            fc2 = RowwiseParallel(output_layouts=Partial()) if bug == "partial_output_loss" else \
-                RowwiseParallel(use_local_output=bug != "grad_placements_partial")
+            fc2 = RowwiseParallel(use_local_output=bug != "grad_placements_partial")
+            if bug == "partial_output_loss":
+                fc2 = RowwiseParallel(output_layouts=Partial())
             if bug == "grad_placements_partial":
                 step = grad_placements_partial_step
             parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": fc2})

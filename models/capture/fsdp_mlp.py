@@ -25,7 +25,9 @@ from torch import nn
 from refine import capture
 
 B, H, FFN = 8, 8, 8  # batch, hidden size, MLP size
-BUGS = ("reduce_scatter_sum_not_avg",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "reduce_scatter_sum_not_avg": {},
+}
 
 
 class MLP(nn.Module):

@@ -53,7 +53,11 @@ from torch import nn
 from refine import capture
 
 S, H, FFN, K = 4, 8, 8, 2  # tokens per group (= per rank), hidden size, expert MLP size, top-k
-BUGS = ("router_grad_not_summed", "combine_wrong_expert_order", "gate_not_renormalized")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "router_grad_not_summed": {},
+    "combine_wrong_expert_order": {},
+    "gate_not_renormalized": {},
+}
 
 
 class Experts(nn.Module):

@@ -32,7 +32,9 @@ from torch import nn
 from refine import capture
 
 T, H, FFN = 8, 16, 8  # tokens, hidden size, each expert's MLP size
-BUGS = ("router_grad_not_summed",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "router_grad_not_summed": {},
+}
 
 
 class Experts(nn.Module):

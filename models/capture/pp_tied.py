@@ -31,7 +31,9 @@ from torch import nn
 from refine import capture
 
 B, T, V, H = 2, 4, 16, 8  # batch, tokens, vocabulary, hidden size
-BUGS = ("tied_grad_not_reduced", "grad_not_sent_back")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "tied_grad_not_reduced": {}, "grad_not_sent_back": {},
+}
 
 
 class Block(nn.Module):

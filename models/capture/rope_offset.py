@@ -32,7 +32,9 @@ from refine import capture
 
 T, D, HEADS, HEAD = 8, 8, 2, 4  # tokens, model size, heads, head size
 MAX_POS = 2 * T  # the tables cover more positions than one step uses: every slice is a real one
-BUGS = ("offset_not_applied",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "offset_not_applied": {},
+}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

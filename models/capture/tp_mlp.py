@@ -32,7 +32,12 @@ from torch import nn
 from refine import capture
 
 T, H, FFN = 8, 16, 32  # tokens, hidden size, MLP size
-BUGS = ("bias_before_sum", "missing_grad_all_reduce", "grad_reduced_twice", "loss_averaged_twice")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "bias_before_sum": {},
+    "missing_grad_all_reduce": {},
+    "grad_reduced_twice": {},
+    "loss_averaged_twice": {"dp": 2},
+}
 
 
 class MLP(nn.Module):
@@ -144,7 +149,8 @@ def make_case(world_size: int = 2, bug: str | None = None, dp: int = 1) -> captu
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     if bug == "loss_averaged_twice" and dp < 2:
-        raise ValueError("loss_averaged_twice needs data parallelism (dp >= 2)")
+        raise ValueError("loss_averaged_twice needs data parallelism (dp >= 2): "
+                         "make_case(bug='loss_averaged_twice', dp=2)")
     tp = world_size // dp
     torch.manual_seed(0)
     seq = MLP()

@@ -43,7 +43,12 @@ from refine import capture
 
 T, H, V = 8, 16, 32  # tokens, hidden size, vocab size
 IGNORE = -100
-BUGS = ("max_not_all_reduced", "target_mask_missing", "predicted_not_all_reduced", "ignored_in_denominator")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "max_not_all_reduced": {},
+    "target_mask_missing": {},
+    "predicted_not_all_reduced": {},
+    "ignored_in_denominator": {},
+}
 
 
 class LMHead(nn.Module):
