@@ -172,7 +172,8 @@ def test_a_refines_the_numbers_contradict_is_a_soundness_failure(monkeypatch: py
 
 
 # The rank node each bundled twin's bug makes wrong first (models/make_examples.py): the op the
-# bug plants, or, for a missing op, the node whose value it should have transformed; and
+# bug plants, or, for a missing op, the node whose value it should have transformed (for a
+# missing all-reduce, the partial sum it should have reduced: the matmul, the masked lookup); and
 # rank nodes the report must list among those it is computed from (a wrong offset sits in
 # the range tests, not in the lookup that reads them).
 BUG_NODE: dict[str, tuple[str, set[str]]] = {
@@ -182,13 +183,13 @@ BUG_NODE: dict[str, tuple[str, set[str]]] = {
     "sp_mlp_symbolic_bug_bias_before_reduce_scatter": ("fc2_bias", set()),
     "sp_mlp_symbolic_bug_gather_wrong_dim": ("sp_gather_view", {"sp_gather"}),
     "tp_attention_bug_bias_before_sum": ("out_bias", set()),
-    "tp_attention_bug_missing_all_reduce": ("out_bias", set()),
+    "tp_attention_bug_missing_all_reduce": ("out_proj", set()),
     "tp_attention_bug_reduce_replicated_input": ("x_sum", set()),
     "tp_mlp_bug_bias_before_sum": ("fc2_bias", set()),
     "tp_mlp_bug_double_all_reduce": ("fc2_sum_again", set()),
-    "tp_mlp_bug_missing_all_reduce": ("fc2_bias", set()),
+    "tp_mlp_bug_missing_all_reduce": ("fc2", set()),
     "tp_mlp_symbolic_bug_bias_before_sum": ("fc2_bias", set()),
-    "vocab_embedding_bug_missing_all_reduce": ("embed_sum", set()),
+    "vocab_embedding_bug_missing_all_reduce": ("tok_embed_masked", set()),
     "vocab_embedding_bug_missing_output_mask": ("tok_embed", set()),
     "vocab_embedding_bug_wrong_offset": ("tok_embed", {"below", "above", "local_ids"}),
 }
