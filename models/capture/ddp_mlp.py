@@ -45,10 +45,10 @@ def ddp_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, bug: str |
     world = dist.get_world_size()
     loss = F.mse_loss(model(x), target)
     if bug == "loss_averaged_twice":
-        loss = loss / world
+        loss = loss / world  # BUG: loss_averaged_twice
     loss.backward()
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM if bug == "sum_not_avg" else dist.ReduceOp.AVG)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM if bug == "sum_not_avg" else dist.ReduceOp.AVG)  # BUG: sum_not_avg
     return funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
 
 

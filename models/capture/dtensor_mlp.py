@@ -71,8 +71,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(FFN, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc1(self.ln(x)))
-        return self.fc2(h)
+        h = F.gelu(self.fc1(self.ln(x)))  # BUG: ln_grad_not_reduced
+        return self.fc2(h)  # BUG: partial_output_loss (the plan leaves this a partial sum, unreduced)
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -88,14 +88,14 @@ def local_loss_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> 
     """Twin "local_loss": the loss of this rank's tokens only."""
     out = model(x)  # this rank's token shard, a plain tensor (use_local_output=True)
     r, n = dist.get_rank(), dist.get_world_size()
-    loss = F.mse_loss(out, target.chunk(n, dim=0)[r])
+    loss = F.mse_loss(out, target.chunk(n, dim=0)[r])  # BUG: local_loss
     loss.backward()
     return loss
 
 
 def grad_placements_partial_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Twin "grad_placements_partial": the output's gradient declared a partial sum."""
-    out = model(x).to_local(grad_placements=[Partial()])
+    out = model(x).to_local(grad_placements=[Partial()])  # BUG: grad_placements_partial
     loss = F.mse_loss(out, target)
     loss.backward()
     return loss
@@ -127,7 +127,7 @@ def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bo
         if not sequence_parallel:
             fc2 = RowwiseParallel(use_local_output=bug != "grad_placements_partial")
             if bug == "partial_output_loss":
-                fc2 = RowwiseParallel(output_layouts=Partial())
+                fc2 = RowwiseParallel(output_layouts=Partial())  # BUG: partial_output_loss
             if bug == "grad_placements_partial":
                 step = grad_placements_partial_step
             parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": fc2})

@@ -146,17 +146,17 @@ class TPGQA(nn.Module):
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         n_rep = self.local_heads // self.local_kv
         if self.bug == "kv_heads_tiled":
-            return x.repeat(n_rep, 1, 1)  # the bug: k0, k1, k0, k1 instead of k0, k0, k1, k1
+            return x.repeat(n_rep, 1, 1)  # BUG: kv_heads_tiled (the bug: k0, k1, k0, k1 instead of k0, k0, k1, k1)
         return repeat_kv(x, n_rep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q(x).view(T, self.local_heads, HEAD).transpose(0, 1)
         if self.pick is None:
-            k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)
-            v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)
+            k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)  # BUG: kv_grad_not_summed
+            v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)  # BUG: kv_grad_not_summed
         else:
-            k = self.k(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
-            v = self.v(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
+            k = self.k(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)  # BUG: wrong_kv_head
+            v = self.v(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)  # BUG: wrong_kv_head
         y = attention(q, self.expand(k), self.expand(v), self.mask)
         y = self.o(y.transpose(0, 1).reshape(T, self.local_heads * HEAD))
         return ReduceFromTP.apply(y, dist.group.WORLD)

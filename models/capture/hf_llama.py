@@ -72,7 +72,7 @@ def _plan(model: nn.Module, bug: str | None) -> dict[str, str] | None:
     ALL_PARALLEL_STYLES["rowwise_partial_output"] = RowwiseParallel(input_layouts=Shard(-1),
                                                                     output_layouts=Partial())
     plan = dict(model.tp_plan)  # type: ignore[arg-type]
-    plan["model.layers.*.self_attn.o_proj"] = "rowwise_partial_output"
+    plan["model.layers.*.self_attn.o_proj"] = "rowwise_partial_output"  # BUG: o_proj_partial
     return plan
 
 

@@ -119,7 +119,7 @@ class EPMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = CopyToEP.apply(self.ln(x), self.group)
-        probs = torch.softmax(self.gate(h), dim=-1)  # over all experts: the gate is replicated
+        probs = torch.softmax(self.gate(h), dim=-1)  # BUG: router_grad_not_summed (over all experts: the gate is replicated)
         mine = combine(probs[:, self.lo:self.hi], self.experts(h))
         return ReduceFromEP.apply(mine, self.group)
 

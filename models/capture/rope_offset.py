@@ -64,7 +64,7 @@ class Rope(nn.Module):
         if self.positions:
             ids = torch.arange(start, start + n)
             return self.cos_cached[ids], self.sin_cached[ids]
-        return self.cos_cached[start:start + n], self.sin_cached[start:start + n]
+        return self.cos_cached[start:start + n], self.sin_cached[start:start + n]  # BUG: offset_not_applied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -86,7 +86,7 @@ class ChunkRope(Rope):
 
     def offset(self, n: int) -> int:
         if self.bug == "offset_not_applied":
-            return 0
+            return 0  # BUG: offset_not_applied
         return self.rank * n
 
 

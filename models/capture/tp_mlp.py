@@ -90,8 +90,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.bug = group, bug
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = CopyToTP.apply(x, self.group, self.bug != "missing_grad_all_reduce")
-        return F.linear(x, self.weight, self.bias)
+        x = CopyToTP.apply(x, self.group, self.bug != "missing_grad_all_reduce")  # BUG: missing_grad_all_reduce
+        return F.linear(x, self.weight, self.bias)  # BUG: missing_grad_all_reduce
 
 
 class RowParallelLinear(nn.Module):
@@ -105,9 +105,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = F.linear(h, self.weight)
         if self.bug == "bias_before_sum":
-            return ReduceFromTP.apply(y + self.bias, self.group)
+            return ReduceFromTP.apply(y + self.bias, self.group)  # BUG: bias_before_sum
         if self.bug == "grad_reduced_twice":
-            y = funcol.all_reduce(y, "sum", self.group)  # its backward all-reduces the gradient too
+            y = funcol.all_reduce(y, "sum", self.group)  # BUG: grad_reduced_twice (its backward all-reduces the gradient too)
         else:
             y = ReduceFromTP.apply(y, self.group)
         return y + self.bias
@@ -138,7 +138,7 @@ def dp_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, dp_gr
     """Data parallel on top: average the gradients (and the reported loss) over the dp group."""
     loss = F.mse_loss(model(x), target)
     if bug == "loss_averaged_twice":
-        loss = loss / dist.get_world_size(dp_group)
+        loss = loss / dist.get_world_size(dp_group)  # BUG: loss_averaged_twice
     loss.backward()
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_group)
