@@ -239,3 +239,15 @@ def test_a_divergence_is_a_repair_the_numbers_confirm() -> None:
     assert all(e.ok for e in errors)
     as_is = eval_ranks(dist.ranks, reg, found.rank_inputs)
     assert not all(e.ok for e in counterexample.compare(seq, dist, reg, seq_vals, as_is)[0])
+
+
+@pytest.mark.parametrize("case", [c for c in BUG_TWINS if c.endswith("_bug_missing_all_reduce")])
+def test_a_missing_all_reduce_is_named_where_the_partial_sum_is_made(case: str) -> None:
+    """The ranks' values are right, in pieces: the divergence is the partial sum that, held
+    whole on every rank, makes every output right (the node after which the all-reduce
+    belongs), not the first value computed from it."""
+    report = check_files(MODELS / case / "seq.json", MODELS / case / "dist.json")
+    d = report.culprit.divergence if report.culprit else None
+    assert d is not None and d.held == "placed [Partial(sum)]" and d.placement == "placed [Replicate]", str(report)
+    assert d.rank_node == BUG_NODE[case][0]
+    assert "a collective is missing after it" in " ".join(str(report).replace("│", " ").split())
