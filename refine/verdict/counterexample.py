@@ -392,7 +392,8 @@ class _Repairs:
         for m in line:
             vals = {r: self.rank_vals[r][m] for r in ranks}
             near = [(_distance(vals, sv, pl, self.dist, self.registry), i, sv) for i, (_, sv) in enumerate(same)
-                    if _same_class(sv, vals[ranks[0]]) and _fits(sv, pl, self.dist, vals)
+                    if _same_class(sv, vals[ranks[0]]) and pl in _placements(self.dist, sv, ranks)
+                    and _fits(sv, pl, self.dist, vals)
                     and not any(u.shape == sv.shape and torch.equal(u, sv) for u in used)]
             if not near:
                 continue
