@@ -231,7 +231,7 @@ def _diverge(seq: Graph, dist: Dist, registry: Registry, found: Counterexample, 
     if d is None:
         return
     own = prog.nodes.get(culprit.rank_node) if culprit.rank_node else None
-    implicated = {d.rank_node, *(n for n, _ in d.chain)}
+    implicated = {d.rank_node, *d.names.values(), *d.also, *(n for n, _ in d.chain)}
     if own is None or (own.origin or own.name) not in implicated:
         culprit.rank_node = tensor_name(d.ranks[0], d.rank_node)
         culprit.rank_source = d.source

@@ -30,7 +30,9 @@ from torch import nn
 from refine import capture
 
 B, H, FFN = 8, 16, 32  # global batch, hidden size, MLP size
-BUGS = ("loss_divided_twice", "mean_over_global_batch")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "loss_divided_twice": {}, "mean_over_global_batch": {},
+}
 
 
 class MLP(nn.Module):
@@ -53,7 +55,7 @@ def micro_loss(model: nn.Module, x: torch.Tensor, target: torch.Tensor, micro_ba
                bug: str | None, batch: int = B) -> torch.Tensor:
     """One micro-batch's share of this rank's mean squared error (`batch`: the global batch)."""
     if bug == "mean_over_global_batch":
-        return F.mse_loss(model(x), target, reduction="sum") / (batch * H)  # the wrong count
+        return F.mse_loss(model(x), target, reduction="sum") / (batch * H)  # BUG: mean_over_global_batch (the wrong count)
     return F.mse_loss(model(x), target) / micro_batches
 
 
@@ -66,7 +68,7 @@ def accum_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, micro_ba
         reported = reported + loss.detach()
     for p in model.parameters():
         if bug == "loss_divided_twice":
-            p.grad.div_(micro_batches)  # the loss was already scaled by 1/M
+            p.grad.div_(micro_batches)  # BUG: loss_divided_twice (the loss was already scaled by 1/M)
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
     return funcol.all_reduce(reported, "avg", dist.group.WORLD)
 

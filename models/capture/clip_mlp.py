@@ -41,7 +41,9 @@ _spec.loader.exec_module(tp_mlp)
 
 MAX_NORM = 0.25  # below the gradients' global norm (about 0.55): clipping really scales them
 EPS = 1e-6  # clip_grad_norm_'s
-BUGS = ("norm_not_all_reduced",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "norm_not_all_reduced": {},
+}
 SHARDED = ("fc1.weight", "fc1.bias", "fc2.weight")  # Megatron: tensor_model_parallel parameters
 
 
@@ -73,9 +75,9 @@ def tp_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, bug: 
     loss = F.mse_loss(model(x), target)
     loss.backward()
     grads = dict((n, p.grad) for n, p in model.named_parameters())
-    sq = squares(grads[n] for n in SHARDED)
+    sq = squares(grads[n] for n in SHARDED)  # BUG: norm_not_all_reduced
     if dist.get_rank() == 0:  # replicated gradients: counted once, on tensor-parallel rank 0
-        sq = sq + squares(g for n, g in grads.items() if n not in SHARDED)
+        sq = sq + squares(g for n, g in grads.items() if n not in SHARDED)  # BUG: norm_not_all_reduced
     if bug != "norm_not_all_reduced":
         dist.all_reduce(sq)
     scale_grads(model, sq, MAX_NORM)

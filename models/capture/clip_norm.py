@@ -40,7 +40,9 @@ tp_mlp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tp_mlp)
 
 MAX_NORM = 0.25  # below the gradients' global norm (about 0.55): clipping really scales them
-BUGS = ("replicated_norm_all_reduced", "norm_not_all_reduced")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "replicated_norm_all_reduced": {}, "norm_not_all_reduced": {},
+}
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, foreach: bool | None = None) -> torch.Tensor:
@@ -61,8 +63,8 @@ def get_grad_norm(model: nn.Module, group: dist.ProcessGroup, bug: str | None) -
     """The global 2-norm of the gradients over the TP group (Megatron's get_grad_norm_fp32)."""
     grads = [p.grad for n, p in model.named_parameters()
              if bug == "replicated_norm_all_reduced" or param_is_not_tensor_parallel_duplicate(model, n, group)]
-    grad_norm = torch.nn.utils.get_total_norm(grads)
-    total_norm = grad_norm ** 2
+    grad_norm = torch.nn.utils.get_total_norm(grads)  # BUG: replicated_norm_all_reduced
+    total_norm = grad_norm ** 2  # BUG: norm_not_all_reduced
     if bug != "norm_not_all_reduced":
         dist.all_reduce(total_norm, group=group)
     return total_norm ** 0.5

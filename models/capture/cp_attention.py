@@ -42,7 +42,9 @@ from refine import capture
 
 T, H = 8, 4  # tokens, hidden size (= the head size: one head)
 SCALE = H ** -0.5
-BUGS = ("no_rescale", "wrong_block_max")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "no_rescale": {}, "wrong_block_max": {},
+}
 
 
 class Attention(nn.Module):
@@ -67,7 +69,7 @@ def merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_j: torch.Te
     mx = torch.maximum(lse, lse_j)
     new = mx + torch.log(torch.exp(lse - mx) + torch.exp(lse_j - mx))
     if bug == "no_rescale":
-        return out + o * torch.exp(lse_j - new), new
+        return out + o * torch.exp(lse_j - new), new  # BUG: no_rescale
     return out * torch.exp(lse - new) + o * torch.exp(lse_j - new), new
 
 
@@ -87,8 +89,7 @@ class RingAttention(torch.autograd.Function):
             e = torch.exp(s - m)
             total = e.sum(-1, keepdim=True)
             o = (e @ vj) / total
-            m_lse = m_prev if bug == "wrong_block_max" and m_prev is not None else m
-            lse_j = m_lse + torch.log(total)
+            lse_j = (m_prev if bug == "wrong_block_max" and m_prev is not None else m) + torch.log(total)  # BUG: wrong_block_max
             out, lse = (o, lse_j) if out is None else merge(out, lse, o, lse_j, bug)
             m_prev = m
         ctx.save_for_backward(q, kf, vf, lse)

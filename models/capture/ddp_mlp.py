@@ -20,7 +20,9 @@ from torch import nn
 from refine import capture
 
 B, H, FFN = 8, 16, 32  # batch, hidden size, MLP size
-BUGS = ("sum_not_avg", "loss_averaged_twice")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "sum_not_avg": {}, "loss_averaged_twice": {},
+}
 
 
 class MLP(nn.Module):
@@ -43,11 +45,10 @@ def ddp_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, bug: str |
     world = dist.get_world_size()
     loss = F.mse_loss(model(x), target)
     if bug == "loss_averaged_twice":
-        loss = loss / world
+        loss = loss / world  # BUG: loss_averaged_twice
     loss.backward()
-    op = dist.ReduceOp.SUM if bug == "sum_not_avg" else dist.ReduceOp.AVG
     for p in model.parameters():
-        dist.all_reduce(p.grad, op=op)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM if bug == "sum_not_avg" else dist.ReduceOp.AVG)  # BUG: sum_not_avg
     return funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
 
 

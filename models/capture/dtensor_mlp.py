@@ -53,8 +53,12 @@ from torch.distributed.tensor.parallel import (
 from refine import capture
 
 T, H, FFN = 8, 16, 32  # tokens, hidden size, MLP size
-BUGS = {"partial_output_loss": False, "grad_placements_partial": False, "local_loss": True,
-        "ln_grad_not_reduced": True}  # bug -> sequence parallel
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "partial_output_loss": {},
+    "grad_placements_partial": {},
+    "local_loss": {"sequence_parallel": True},
+    "ln_grad_not_reduced": {"sequence_parallel": True},
+}
 
 
 class MLP(nn.Module):
@@ -67,8 +71,8 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(FFN, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.fc1(self.ln(x)))
-        return self.fc2(h)
+        h = F.gelu(self.fc1(self.ln(x)))  # BUG: ln_grad_not_reduced
+        return self.fc2(h)  # BUG: partial_output_loss (the plan leaves this a partial sum, unreduced)
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -84,14 +88,14 @@ def local_loss_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> 
     """Twin "local_loss": the loss of this rank's tokens only."""
     out = model(x)  # this rank's token shard, a plain tensor (use_local_output=True)
     r, n = dist.get_rank(), dist.get_world_size()
-    loss = F.mse_loss(out, target.chunk(n, dim=0)[r])
+    loss = F.mse_loss(out, target.chunk(n, dim=0)[r])  # BUG: local_loss
     loss.backward()
     return loss
 
 
 def grad_placements_partial_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Twin "grad_placements_partial": the output's gradient declared a partial sum."""
-    out = model(x).to_local(grad_placements=[Partial()])
+    out = model(x).to_local(grad_placements=[Partial()])  # BUG: grad_placements_partial
     loss = F.mse_loss(out, target)
     loss.backward()
     return loss
@@ -108,9 +112,9 @@ def ln_grad_not_reduced_step(model: nn.Module, x: torch.Tensor, target: torch.Te
 def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bool = False) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
-    if bug is not None and BUGS[bug] != sequence_parallel:
-        raise ValueError(f"bug {bug!r} is a twin of the {'sequence' if BUGS[bug] else 'tensor'}-parallel variant: "
-                         f"pass sequence_parallel={BUGS[bug]}")
+    if bug is not None and BUGS[bug].get("sequence_parallel", False) != sequence_parallel:
+        raise ValueError(f"bug {bug!r} is a twin of the {'tensor' if sequence_parallel else 'sequence'}-parallel "
+                         f"variant: make_case(bug={bug!r}, sequence_parallel={not sequence_parallel})")
     torch.manual_seed(0)
     seq = MLP()
     x, target = torch.randn(T, H), torch.randn(T, H)
@@ -121,8 +125,9 @@ def make_case(world_size: int = 2, bug: str | None = None, sequence_parallel: bo
         model = copy.deepcopy(seq)
         step = train_step
         if not sequence_parallel:
-            fc2 = RowwiseParallel(output_layouts=Partial()) if bug == "partial_output_loss" else \
-                RowwiseParallel(use_local_output=bug != "grad_placements_partial")
+            fc2 = RowwiseParallel(use_local_output=bug != "grad_placements_partial")
+            if bug == "partial_output_loss":
+                fc2 = RowwiseParallel(output_layouts=Partial())  # BUG: partial_output_loss
             if bug == "grad_placements_partial":
                 step = grad_placements_partial_step
             parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": fc2})

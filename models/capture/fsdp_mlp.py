@@ -25,7 +25,9 @@ from torch import nn
 from refine import capture
 
 B, H, FFN = 8, 8, 8  # batch, hidden size, MLP size
-BUGS = ("reduce_scatter_sum_not_avg",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "reduce_scatter_sum_not_avg": {},
+}
 
 
 class MLP(nn.Module):
@@ -49,7 +51,7 @@ class GatherParam(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
-        return funcol.reduce_scatter_tensor(grad.contiguous(), ctx.op, ctx.dim, ctx.group), None, None, None
+        return funcol.reduce_scatter_tensor(grad.contiguous(), ctx.op, ctx.dim, ctx.group), None, None, None  # BUG: reduce_scatter_sum_not_avg
 
 
 class FSDPLinear(nn.Module):
@@ -60,7 +62,7 @@ class FSDPLinear(nn.Module):
         rows, n = full.out_features // world, full.bias.numel() // world
         self.weight = capture.shard(nn.Parameter(full.weight.detach()[rank * rows:(rank + 1) * rows].clone()), 0)
         self.bias = capture.shard(nn.Parameter(full.bias.detach()[rank * n:(rank + 1) * n].clone()), 0)
-        self.op = "sum" if bug == "reduce_scatter_sum_not_avg" else "avg"
+        self.op = "sum" if bug == "reduce_scatter_sum_not_avg" else "avg"  # BUG: reduce_scatter_sum_not_avg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = dist.group.WORLD

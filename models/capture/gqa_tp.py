@@ -47,7 +47,11 @@ from torch import nn
 from refine import capture
 
 T, D, HEAD = 6, 8, 2  # tokens, model size, head size
-BUGS = ("kv_grad_not_summed", "kv_heads_tiled", "wrong_kv_head")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "kv_grad_not_summed": {"kv_heads": 1},
+    "kv_heads_tiled": {"heads": 8, "kv_heads": 4},
+    "wrong_kv_head": {"world_size": 4, "kv_heads": 2, "select": True},
+}
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -142,17 +146,17 @@ class TPGQA(nn.Module):
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         n_rep = self.local_heads // self.local_kv
         if self.bug == "kv_heads_tiled":
-            return x.repeat(n_rep, 1, 1)  # the bug: k0, k1, k0, k1 instead of k0, k0, k1, k1
+            return x.repeat(n_rep, 1, 1)  # BUG: kv_heads_tiled (the bug: k0, k1, k0, k1 instead of k0, k0, k1, k1)
         return repeat_kv(x, n_rep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.q(x).view(T, self.local_heads, HEAD).transpose(0, 1)
         if self.pick is None:
-            k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)
-            v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)
+            k = self.k(x).view(T, self.local_kv, HEAD).transpose(0, 1)  # BUG: kv_grad_not_summed
+            v = self.v(x).view(T, self.local_kv, HEAD).transpose(0, 1)  # BUG: kv_grad_not_summed
         else:
-            k = self.k(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
-            v = self.v(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)
+            k = self.k(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)  # BUG: wrong_kv_head
+            v = self.v(x).view(T, self.kv, HEAD)[:, self.pick:self.pick + 1].transpose(0, 1)  # BUG: wrong_kv_head
         y = attention(q, self.expand(k), self.expand(v), self.mask)
         y = self.o(y.transpose(0, 1).reshape(T, self.local_heads * HEAD))
         return ReduceFromTP.apply(y, dist.group.WORLD)
@@ -181,12 +185,16 @@ def make_case(world_size: int = 2, heads: int = 4, kv_heads: int = 2, bug: str |
     if heads % kv_heads or heads % world_size or (kv_heads % world_size and world_size % kv_heads):
         raise ValueError(f"{heads} query heads, {kv_heads} kv heads on {world_size} ranks: each count must divide "
                          "the next")
+    twin = f"make_case(bug={bug!r}, {', '.join(f'{k}={v}' for k, v in BUGS[bug].items())})" if bug else ""
     if bug == "kv_grad_not_summed" and kv_heads >= world_size:
-        raise ValueError("kv_grad_not_summed needs replicated kv heads (kv_heads < world_size)")
-    if (select or bug == "wrong_kv_head") and (kv_heads >= world_size or not select):
-        raise ValueError("select (and its twin wrong_kv_head) is a replicated-kv layout: kv_heads < world_size")
+        raise ValueError(f"kv_grad_not_summed needs replicated kv heads (kv_heads < world_size): {twin}")
+    if select and kv_heads >= world_size:
+        raise ValueError("select is a replicated-kv layout: kv_heads < world_size")
+    if bug == "wrong_kv_head" and not (select and 2 <= kv_heads < world_size):
+        # with one kv head, r % kv_heads and the right head are both 0: no bug
+        raise ValueError(f"wrong_kv_head is a twin of the select layout with two or more kv heads: {twin}")
     if bug == "kv_heads_tiled" and kv_heads < 2 * world_size:
-        raise ValueError("kv_heads_tiled needs at least two kv heads per rank (kv_heads >= 2 * world_size)")
+        raise ValueError(f"kv_heads_tiled needs at least two kv heads per rank (kv_heads >= 2 * world_size): {twin}")
     torch.manual_seed(0)
     seq = GQA(heads, kv_heads)
     x, target = torch.randn(T, D), torch.randn(T, D)

@@ -32,7 +32,9 @@ from torch import nn
 from refine import capture
 from refine.frontends.capture.hf import float64_reference, tensor_parallel
 
-BUGS = ("o_proj_partial",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "o_proj_partial": {},
+}
 B, T, VOCAB = 1, 6, 32
 
 
@@ -70,7 +72,7 @@ def _plan(model: nn.Module, bug: str | None) -> dict[str, str] | None:
     ALL_PARALLEL_STYLES["rowwise_partial_output"] = RowwiseParallel(input_layouts=Shard(-1),
                                                                     output_layouts=Partial())
     plan = dict(model.tp_plan)  # type: ignore[arg-type]
-    plan["model.layers.*.self_attn.o_proj"] = "rowwise_partial_output"
+    plan["model.layers.*.self_attn.o_proj"] = "rowwise_partial_output"  # BUG: o_proj_partial
     return plan
 
 

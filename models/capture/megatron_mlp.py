@@ -46,7 +46,9 @@ from refine import capture
 from refine.frontends.capture import megatron
 
 S, B, H, FFN = 8, 2, 16, 32  # sequence, micro-batch, hidden size, MLP size
-BUGS = ("ln_grad_not_all_reduced", "bias_before_all_reduce")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "ln_grad_not_all_reduced": {}, "bias_before_all_reduce": {},
+}
 
 
 class MLP(nn.Module):
@@ -73,7 +75,7 @@ class BiasFirstRowParallelLinear(RowParallelLinear):
     """The bug: the bias fused into the GEMM, so every rank adds it before the reduction."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
-        out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias, gradient_accumulation_fusion=False,
+        out = self._forward_impl(input=input_, weight=self.weight, bias=self.bias, gradient_accumulation_fusion=False,  # BUG: bias_before_all_reduce
                                  allreduce_dgrad=False, sequence_parallel=False, tp_group=self.tp_group)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, group=self.tp_group), None
@@ -113,7 +115,7 @@ class MegatronMLP(nn.Module):
             self.fc2.bias.copy_(seq.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, _ = self.fc1(self.ln(x))
+        h, _ = self.fc1(self.ln(x))  # BUG: ln_grad_not_all_reduced
         y, _ = self.fc2(F.gelu(h))
         return y
 

@@ -53,7 +53,11 @@ from torch import nn
 from refine import capture
 
 S, H, FFN, K = 4, 8, 8, 2  # tokens per group (= per rank), hidden size, expert MLP size, top-k
-BUGS = ("router_grad_not_summed", "combine_wrong_expert_order", "gate_not_renormalized")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "router_grad_not_summed": {},
+    "combine_wrong_expert_order": {},
+    "gate_not_renormalized": {},
+}
 
 
 class Experts(nn.Module):
@@ -75,8 +79,8 @@ class Experts(nn.Module):
 def route(gate: nn.Linear, x: torch.Tensor, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] -> (weights, routed), both [T, E]: each token's gate weight per expert (0 for
     the experts it does not use) and the 0/1 routing mask."""
-    probs = torch.softmax(gate(x), dim=-1)
-    top_p, top_i = torch.topk(probs, K, dim=-1)
+    probs = torch.softmax(gate(x), dim=-1)  # BUG: router_grad_not_summed
+    top_p, top_i = torch.topk(probs, K, dim=-1)  # BUG: gate_not_renormalized
     if renormalize:
         top_p = top_p / top_p.sum(-1, keepdim=True)
     weights = torch.zeros_like(probs).scatter(1, top_i, top_p)
@@ -153,7 +157,7 @@ class EPMoE(nn.Module):
         # combine: every slot's output back to its token's rank, ordered by expert owner
         back = funcol.all_to_all_single_autograd(y, None, None, self.group)
         if self.bug == "combine_wrong_expert_order":
-            back = back.view(c, w, S, H).transpose(0, 1).reshape(e, S, H)  # as if expert i lived on rank i % W
+            back = back.view(c, w, S, H).transpose(0, 1).reshape(e, S, H)  # BUG: combine_wrong_expert_order (as if expert i lived on rank i % W)
         return unpermute(back.view(1, e, S, H), weights, perm)
 
 

@@ -32,7 +32,9 @@ from torch import nn
 from refine import capture
 
 T, H, FFN = 8, 16, 8  # tokens, hidden size, each expert's MLP size
-BUGS = ("router_grad_not_summed",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "router_grad_not_summed": {},
+}
 
 
 class Experts(nn.Module):
@@ -117,7 +119,7 @@ class EPMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = CopyToEP.apply(self.ln(x), self.group)
-        probs = torch.softmax(self.gate(h), dim=-1)  # over all experts: the gate is replicated
+        probs = torch.softmax(self.gate(h), dim=-1)  # BUG: router_grad_not_summed (over all experts: the gate is replicated)
         mine = combine(probs[:, self.lo:self.hi], self.experts(h))
         return ReduceFromEP.apply(mine, self.group)
 

@@ -31,7 +31,9 @@ from torch import nn
 from refine import capture
 
 B, T, V, H = 2, 4, 16, 8  # batch, tokens, vocabulary, hidden size
-BUGS = ("tied_grad_not_reduced", "grad_not_sent_back")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "tied_grad_not_reduced": {}, "grad_not_sent_back": {},
+}
 
 
 class Block(nn.Module):
@@ -75,10 +77,10 @@ class Stage(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.first:
-            h = self.embed(h)
+            h = self.embed(h)  # BUG: tied_grad_not_reduced
         (block,) = self.blocks.values()
         h = block(h)
-        return h @ self.embed.weight.t() if self.last else h
+        return h @ self.embed.weight.t() if self.last else h  # BUG: tied_grad_not_reduced
 
 
 def pipeline_step(stage: Stage, ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -103,7 +105,7 @@ def pipeline_step(stage: Stage, ids: torch.Tensor | None = None, labels: torch.T
         out.backward(grad)
     if not stage.first:
         if bug == "grad_not_sent_back" and stage.last:
-            dist.send(torch.ones_like(x.grad), dst=rank - 1)
+            dist.send(torch.ones_like(x.grad), dst=rank - 1)  # BUG: grad_not_sent_back
         else:
             dist.send(x.grad, dst=rank - 1)
     embedding_group = dist.new_group([0, world - 1])  # every rank takes part in creating it

@@ -32,7 +32,9 @@ from refine import capture
 
 T, D, HEADS, HEAD = 8, 8, 2, 4  # tokens, model size, heads, head size
 MAX_POS = 2 * T  # the tables cover more positions than one step uses: every slice is a real one
-BUGS = ("offset_not_applied",)
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "offset_not_applied": {},
+}
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +64,7 @@ class Rope(nn.Module):
         if self.positions:
             ids = torch.arange(start, start + n)
             return self.cos_cached[ids], self.sin_cached[ids]
-        return self.cos_cached[start:start + n], self.sin_cached[start:start + n]
+        return self.cos_cached[start:start + n], self.sin_cached[start:start + n]  # BUG: offset_not_applied
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -84,7 +86,7 @@ class ChunkRope(Rope):
 
     def offset(self, n: int) -> int:
         if self.bug == "offset_not_applied":
-            return 0
+            return 0  # BUG: offset_not_applied
         return self.rank * n
 
 

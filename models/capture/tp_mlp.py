@@ -32,7 +32,12 @@ from torch import nn
 from refine import capture
 
 T, H, FFN = 8, 16, 32  # tokens, hidden size, MLP size
-BUGS = ("bias_before_sum", "missing_grad_all_reduce", "grad_reduced_twice", "loss_averaged_twice")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "bias_before_sum": {},
+    "missing_grad_all_reduce": {},
+    "grad_reduced_twice": {},
+    "loss_averaged_twice": {"dp": 2},
+}
 
 
 class MLP(nn.Module):
@@ -85,8 +90,8 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.bug = group, bug
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = CopyToTP.apply(x, self.group, self.bug != "missing_grad_all_reduce")
-        return F.linear(x, self.weight, self.bias)
+        x = CopyToTP.apply(x, self.group, self.bug != "missing_grad_all_reduce")  # BUG: missing_grad_all_reduce
+        return F.linear(x, self.weight, self.bias)  # BUG: missing_grad_all_reduce
 
 
 class RowParallelLinear(nn.Module):
@@ -100,9 +105,9 @@ class RowParallelLinear(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         y = F.linear(h, self.weight)
         if self.bug == "bias_before_sum":
-            return ReduceFromTP.apply(y + self.bias, self.group)
+            return ReduceFromTP.apply(y + self.bias, self.group)  # BUG: bias_before_sum
         if self.bug == "grad_reduced_twice":
-            y = funcol.all_reduce(y, "sum", self.group)  # its backward all-reduces the gradient too
+            y = funcol.all_reduce(y, "sum", self.group)  # BUG: grad_reduced_twice (its backward all-reduces the gradient too)
         else:
             y = ReduceFromTP.apply(y, self.group)
         return y + self.bias
@@ -133,7 +138,7 @@ def dp_train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, dp_gr
     """Data parallel on top: average the gradients (and the reported loss) over the dp group."""
     loss = F.mse_loss(model(x), target)
     if bug == "loss_averaged_twice":
-        loss = loss / dist.get_world_size(dp_group)
+        loss = loss / dist.get_world_size(dp_group)  # BUG: loss_averaged_twice
     loss.backward()
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=dp_group)
@@ -144,7 +149,8 @@ def make_case(world_size: int = 2, bug: str | None = None, dp: int = 1) -> captu
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
     if bug == "loss_averaged_twice" and dp < 2:
-        raise ValueError("loss_averaged_twice needs data parallelism (dp >= 2)")
+        raise ValueError("loss_averaged_twice needs data parallelism (dp >= 2): "
+                         "make_case(bug='loss_averaged_twice', dp=2)")
     tp = world_size // dp
     torch.manual_seed(0)
     seq = MLP()

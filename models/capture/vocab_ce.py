@@ -43,7 +43,12 @@ from refine import capture
 
 T, H, V = 8, 16, 32  # tokens, hidden size, vocab size
 IGNORE = -100
-BUGS = ("max_not_all_reduced", "target_mask_missing", "predicted_not_all_reduced", "ignored_in_denominator")
+BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
+    "max_not_all_reduced": {},
+    "target_mask_missing": {},
+    "predicted_not_all_reduced": {},
+    "ignored_in_denominator": {},
+}
 
 
 class LMHead(nn.Module):
@@ -88,7 +93,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         part = logits.shape[-1]
         start = dist.get_rank(group) * part
         end = start + part
-        local_max = logits.amax(-1, keepdim=True)
+        local_max = logits.amax(-1, keepdim=True)  # BUG: max_not_all_reduced
         if bug != "max_not_all_reduced":
             local_max = funcol.all_reduce(local_max, "max", group)
         shifted = logits - local_max
@@ -98,9 +103,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         safe = torch.where(target != IGNORE, target, 0).unsqueeze(-1)
         mask = (safe < start) | (safe >= end)
         local_target = (safe - start).masked_fill(mask, 0)
-        predicted = log_probs.gather(-1, local_target)
+        predicted = log_probs.gather(-1, local_target)  # BUG: target_mask_missing
         if bug != "target_mask_missing":
-            predicted = predicted.masked_fill(mask, 0.0)
+            predicted = predicted.masked_fill(mask, 0.0)  # BUG: predicted_not_all_reduced
         if bug != "predicted_not_all_reduced":
             predicted = funcol.all_reduce(predicted, "sum", group)
         nll = -predicted.squeeze(-1)
@@ -146,10 +151,10 @@ def rank_step(model: VocabParallelLMHead, x: torch.Tensor, target: torch.Tensor,
     F.cross_entropy defines it (`fused`: per token first, as Megatron does, then masked)."""
     nll, smooth = VocabParallelCrossEntropy.apply(model(x), target, model.group, bug)
     valid = target != IGNORE
-    count = target.numel() if bug == "ignored_in_denominator" else valid.sum().float()
+    count = target.numel() if bug == "ignored_in_denominator" else valid.sum().float()  # BUG: ignored_in_denominator
     if fused:
         nll = (1.0 - label_smoothing) * nll + label_smoothing / V * smooth
-    loss = torch.where(valid, nll, 0.0).sum() / count
+    loss = torch.where(valid, nll, 0.0).sum() / count  # BUG: ignored_in_denominator
     if label_smoothing > 0 and not fused:
         ignored = target == IGNORE
         smooth_loss = torch.where(ignored, 0.0, smooth).sum() / (~ignored).sum()

@@ -1,11 +1,11 @@
 """What the counterexample search costs where it runs: on every bundled buggy twin
-(models/*_bug_*), every captured twin (models/capture/*.py, each `BUGS` entry) and the
-corpus bug cases, write bench_search.md with the verdict, whether a counterexample was found
-(and after how many draws), the rank node the numbers show going wrong first and its line,
-and the time of the proof, of the search and of the divergence search (the search runs only
-when the proof stops).
+(models/*_bug_*), every captured twin (models/capture/*.py, each `BUGS` entry, built with the
+`make_case` arguments it states) and the corpus bug cases, write bench_search.md with the
+verdict, whether a counterexample was found (and after how many draws), the rank node the
+numbers show going wrong first and its line, and the time of the proof, of the search and of
+the divergence search (the search runs only when the proof stops).
 
-    python -m refine.bench.search [--only NAME ...]
+    python -m refine.bench.search [--only NAME ...]    # a NAME ending in / or : is a prefix: capture/
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ def _captured(path: Path) -> Iterator[tuple[str, Callable[[], Report]]]:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for bug in getattr(module, "BUGS", ()):
-        def run(module: object = module, bug: str = bug) -> Report:
+    # each twin is built with the make_case arguments BUGS states for it (a layout, a mesh)
+    for bug, kwargs in getattr(module, "BUGS", {}).items():
+        def run(module: object = module, bug: str = bug, kwargs: dict[str, object] = kwargs) -> Report:
             from refine.frontends.capture import capture
 
-            return capture(module.make_case(bug=bug)).check()  # type: ignore[attr-defined]
+            return capture(module.make_case(bug=bug, **kwargs)).check()  # type: ignore[attr-defined]
         yield f"capture/{path.stem}:{bug}", run
 
 
@@ -93,14 +94,15 @@ def row(name: str, run: Callable[[], Report]) -> str:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m refine.bench.search")
-    ap.add_argument("--only", nargs="*", default=None, help="case names (default: all)")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="case names, or prefixes ending in / or : (capture/, capture/tp_mlp:); default: all")
     ap.add_argument("--out", default=str(ROOT / "bench_search.md"))
     args = ap.parse_args(argv)
     rows = ["| case | verdict | counterexample | rank node the numbers show wrong first | total s | capture, load, proof s "
             "| search + divergence s |", "|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for name, run in cases():
-        if args.only and name not in args.only:
+        if args.only and not any(name == o or (o.endswith(("/", ":")) and name.startswith(o)) for o in args.only):
             continue
         rows.append(row(name, run))
         print(rows[-1], flush=True)

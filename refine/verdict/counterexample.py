@@ -35,7 +35,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -256,12 +256,24 @@ def _mixes(table: Mapping[str, Specials]) -> list[dict[str, Mix]]:
 # rank programs in program order; a rank node (the same name on the ranks that have it) is
 # explained when its values are a standard placement of some sequential tensor's value. The
 # first unexplained node that, set to such a placement of a sequential tensor, makes every
-# output right is where the ranks diverge: had it held that, the program would be right.
+# output right is where the ranks diverge: had it held that, the program would be right. A
+# repair sets the node's recomputations (the same op on the same arguments) too, and, when its
+# nearest value alone does not do, the other nodes its line makes with its op (a line run for
+# keys and for values). A node explained as a partial sum that, held whole, makes every
+# output right is where a collective is missing (also reached through an unexplained node's
+# input, which the ranks may make on lines of their own); the search then walks back through
+# the nodes that carry the value in pieces to the first that made it: where it belongs.
 
 # Counterfactual runs the divergence search makes at most. Each re-runs every rank program;
 # past this the search stops and the report says the divergence was not found (the verdict
 # and the prover's culprit stand).
 REPAIRS = 256
+# Counterfactual runs per rank node, its candidate values nearest first (`_distance`): a
+# value the ranks compute right but that is no placement of a sequential tensor (one block
+# of a ring's keys, a score block) cannot be repaired by any candidate, and trying each of
+# its dozens would spend REPAIRS before the search reaches the node that is wrong; the
+# wrong node's own value, a near miss of the value it should hold, ranks among the first.
+PER_NODE = 8
 
 
 @dataclass
@@ -279,19 +291,24 @@ class Divergence:
     # layout changes), back to explained tensors: where a wrong constant or op may sit
     chain: list[tuple[str, str | None]]
     repairs: int  # counterfactual runs made
+    # set when the node holds `seq_node` in another placement than the program needs (a
+    # partial sum never reduced): that placement; `rank_node` is then rank ranks[0]'s
+    # node, and `names` each rank's (the ranks may compute the value on different lines)
+    held: str | None = None
+    names: dict[int, str] = field(default_factory=dict)
+    also: list[str] = field(default_factory=list)  # nodes of the same line and op repaired with it
 
 
 def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max_repairs: int = REPAIRS
             ) -> Divergence | None:
     """The first rank node (program order) whose value on the counterexample is no placement
-    of a sequential tensor and whose replacement by one makes every output right; None
-    when there is none within `max_repairs` counterfactual runs."""
+    of a sequential tensor and whose replacement by one makes every output right (or an
+    input of it whose value, a placement of a sequential tensor, in another placement does:
+    see `_Repairs.placement`); None when there is none within `max_repairs` counterfactual
+    runs."""
     seq, dist = _at_sizes(seq, dist, registry, cex)
-    seq_vals = eval_graph(seq, registry, cex.seq_inputs)
-    rank_vals = eval_ranks(dist.ranks, registry, cex.rank_inputs)
+    rp = _Repairs(seq, dist, registry, cex, max_repairs)
     seq_nodes = {n.name: n for n in seq.nodes}
-    seq_tensors = [(x.name, seq_vals[x.name]) for x in (*seq.inputs, *seq.nodes)]
-    gen = torch.Generator().manual_seed(cex.seed)
     everyone = sorted(dist.ranks)
     holders: dict[str, list[int]] = {}
     first: dict[str, tuple[int, int]] = {}
@@ -303,34 +320,186 @@ def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max
             nodes.setdefault(n.name, n)
     needed = _feeds_outputs(dist)
     explained: set[str] = {i.name for g in dist.ranks.values() for i in g.inputs}
-    repairs = 0
+    done: set[str] = set()  # a recomputation of a value already tried (its repair was theirs)
     for name in sorted(first, key=first.__getitem__):
-        if name not in needed:
+        if name not in needed or name in done:
             continue
         ranks = holders[name]
-        vals = {r: rank_vals[r][name] for r in ranks}
-        options = [(sn, sv, pl) for sn, sv in seq_tensors if _same_class(sv, vals[ranks[0]])
+        done |= {d for r in ranks for d in rp.dups.get((r, name), ())}
+        vals = {r: rp.rank_vals[r][name] for r in ranks}
+        options = [(sn, sv, pl) for sn, sv in rp.seq_tensors if _same_class(sv, vals[ranks[0]])
                    for pl in _placements(dist, sv, ranks) if _fits(sv, pl, dist, vals)]
-        if any(_holds(vals, sv, pl, dist, registry) for _, sv, pl in options):
+        held = [pl for _, sv, pl in options if _holds(vals, sv, pl, dist, registry)]
+        if held:
             explained.add(name)
+            if len(ranks) == len(everyone) and all(any(p.kind == "partial" for p in pl) for pl in held):
+                # right values in pieces where the program needs them whole: a collective missing
+                step = rp.reheld({r: name for r in ranks})
+                if step is None:
+                    return None
+                if step:
+                    return rp.walk_back(step)
             continue
-        for sn, sv, pl in options:
-            if repairs >= max_repairs:
+        if len(ranks) == len(everyone):  # an input right in the wrong placement: a collective missing
+            step = rp.placement({r: name for r in ranks})
+            if step is None:
                 return None
-            repairs += 1
-            pieces = split_placed(sv, pl, dist.mesh, gen) if pl else {r: sv for r in ranks}
+            if step:
+                return rp.walk_back(step)
+        nearest = sorted(range(len(options)), key=lambda i: (_distance(vals, options[i][1], options[i][2], dist,
+                                                                       registry), i))
+        # the other nodes its line makes with the same op on the same ranks (the line runs
+        # twice, for keys and for values, say): a bug on the line is in each of them
+        line = [m for m in sorted(first, key=first.__getitem__) if m != name and m in needed and m not in done
+                and nodes[m].source and nodes[m].source == nodes[name].source and nodes[m].op == nodes[name].op
+                and holders[m] == ranks]
+        for first_try, (sn, sv, pl) in zip([True] + [False] * PER_NODE, (options[i] for i in nearest[:PER_NODE]),
+                                          strict=False):
+            pieces = split_placed(sv, pl, dist.mesh, rp.gen) if pl else {r: sv for r in ranks}
             override = {(r, name): canon(pieces[r], nodes[name].type.dtype) for r in ranks}
-            try:
-                fixed = eval_ranks(dist.ranks, registry, cex.rank_inputs, override=override)
-            except EvalError:
-                continue
-            errors, _ = compare(seq, dist, registry, seq_vals, fixed)
-            if errors and all(e.ok for e in errors):
-                where = "on every rank" if not pl else f"placed [{', '.join(map(str, pl))}]"
+            ok = rp.fixes(override)
+            also: list[str] = []
+            if ok is False and line and sn in seq_nodes and first_try:  # with the nearest value only
+                also = rp.siblings(line, ranks, seq_nodes[sn], pl, override)
+                ok = rp.fixes(override) if also else False
+            if ok is None:
+                return None
+            if ok:
                 src = seq_nodes[sn].source if sn in seq_nodes else None
-                return Divergence(name, ranks, nodes[name].op, nodes[name].source, sn, where, src,
-                                  _chain(dist.ranks[ranks[0]], name, explained), repairs)
+                return Divergence(name, ranks, nodes[name].op, nodes[name].source, sn, _where(pl), src,
+                                  _chain(dist.ranks[ranks[0]], name, explained), rp.repairs, also=also)
     return None
+
+
+def _where(pl: tuple[Placement, ...]) -> str:
+    return "on every rank" if not pl else f"placed [{', '.join(map(str, pl))}]"
+
+
+class _Repairs:
+    """The counterfactual runs of one divergence search, within its budget."""
+
+    def __init__(self, seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max_repairs: int) -> None:
+        self.seq, self.dist, self.registry, self.cex, self.max_repairs = seq, dist, registry, cex, max_repairs
+        self.seq_vals = eval_graph(seq, registry, cex.seq_inputs)
+        self.rank_vals = eval_ranks(dist.ranks, registry, cex.rank_inputs)
+        self.seq_tensors = [(x.name, self.seq_vals[x.name]) for x in (*seq.inputs, *seq.nodes)]
+        self.gen = torch.Generator().manual_seed(cex.seed)
+        self.index = {r: g.index() for r, g in dist.ranks.items()}
+        self.repairs = 0
+        # the nodes of a rank computing the same op on the same arguments (a loss's difference
+        # made once forward and again for its backward): a repair sets them all
+        self.dups: dict[tuple[int, str], list[str]] = {}
+        for r, g in dist.ranks.items():
+            same: dict[str, list[str]] = {}
+            for n in g.nodes:
+                if self.registry.ops[n.op].kind != "collective":
+                    same.setdefault(f"{n.op}{n.args!r}{sorted(n.attrs.items())!r}", []).append(n.name)
+            for names in same.values():
+                for x in names:
+                    self.dups[(r, x)] = [y for y in names if y != x]
+
+    def fixes(self, override: dict[tuple[int, str], Tensor]) -> bool | None:
+        """Whether the rank programs, with these values for these nodes (and their
+        recomputations), make every output right; None when the budget is spent."""
+        if self.repairs >= self.max_repairs:
+            return None
+        self.repairs += 1
+        full = dict(override)
+        for (r, x), v in override.items():
+            full.update({(r, y): v for y in self.dups.get((r, x), ())})
+        try:
+            fixed = eval_ranks(self.dist.ranks, self.registry, self.cex.rank_inputs, override=full)
+        except EvalError:
+            return False
+        errors, _ = compare(self.seq, self.dist, self.registry, self.seq_vals, fixed)
+        return bool(errors) and all(e.ok for e in errors)
+
+    def siblings(self, line: list[str], ranks: list[int], made: Node, pl: tuple[Placement, ...],
+                 override: dict[tuple[int, str], Tensor]) -> list[str]:
+        """Add to `override` a value for each of `line`, rank nodes of the same line and op as
+        one whose candidate is sequential node `made` placed `pl`: a line computed more than
+        once corresponds to a sequential line computed as often, each time another value, so
+        each takes the nearest placement `pl` of a value `made`'s line makes with `made`'s op
+        that no node of the line took yet. The nodes given one."""
+        same = [(x.name, self.seq_vals[x.name]) for x in self.seq.nodes
+                if x.source == made.source and x.op == made.op]
+        used = [self.seq_vals[made.name]]
+        out = []
+        for m in line:
+            vals = {r: self.rank_vals[r][m] for r in ranks}
+            near = [(_distance(vals, sv, pl, self.dist, self.registry), i, sv) for i, (_, sv) in enumerate(same)
+                    if _same_class(sv, vals[ranks[0]]) and pl in _placements(self.dist, sv, ranks)
+                    and _fits(sv, pl, self.dist, vals)
+                    and not any(u.shape == sv.shape and torch.equal(u, sv) for u in used)]
+            if not near:
+                continue
+            sv = min(near, key=lambda t: t[:2])[2]
+            used.append(sv)
+            pieces = split_placed(sv, pl, self.dist.mesh, self.gen) if pl else {r: sv for r in ranks}
+            override.update({(r, m): canon(pieces[r], self.index[r][m].type.dtype) for r in ranks})  # type: ignore[union-attr]
+            out.append(m)
+        return out
+
+    def placement(self, at: dict[int, str]) -> Divergence | bool | None:
+        """An input of node `at` (rank -> its name there; the same argument on every rank,
+        which may make it on a line of its own) that holds a sequential value in one
+        placement (a partial sum), while the same value in another (a replicated copy) makes
+        every output right (`reheld`). False when there is none; None when the budget is spent."""
+        everyone = sorted(at)
+        args = {r: self.index[r][at[r]].tensor_args() for r in everyone}  # type: ignore[union-attr]
+        if len({len(a) for a in args.values()}) != 1:
+            return False
+        for k in range(len(args[everyone[0]])):
+            arg = {r: args[r][k] for r in everyone}
+            if not all(isinstance(self.index[r].get(arg[r]), Node) for r in everyone):
+                continue  # an input: the draw, not a rank's computation
+            step = self.reheld(arg)
+            if step is not False:
+                return step
+        return False
+
+    def reheld(self, at: dict[int, str]) -> Divergence | bool | None:
+        """Whether the nodes `at` (rank -> name) hold a sequential value in a placement with a
+        partial sum in it, while the same value in another placement (a replicated copy)
+        makes every output right: the values are right, the collective that should follow
+        them is missing (a norm's partial sums of squares never all-reduced). False when
+        not; None when the budget is spent."""
+        everyone = sorted(at)
+        vals = {r: self.rank_vals[r][at[r]] for r in everyone}
+        tried: list[Tensor] = []  # sequential values already tried (tensors equal to them repair alike)
+        for sn, sv in self.seq_tensors:
+            if not _same_class(sv, vals[everyone[0]]) or any(t.shape == sv.shape and torch.equal(t, sv) for t in tried):
+                continue
+            pls = [pl for pl in _placements(self.dist, sv, everyone) if _fits(sv, pl, self.dist, vals)]
+            held = next((pl for pl in pls if any(p.kind == "partial" for p in pl)
+                         and _holds(vals, sv, pl, self.dist, self.registry)), None)
+            if held is None:
+                continue
+            tried.append(sv)
+            for pl in sorted((q for q in pls if q != held), key=lambda q: [p.kind != "replicate" for p in q]):
+                pieces = split_placed(sv, pl, self.dist.mesh, self.gen)
+                ok = self.fixes({(r, at[r]): canon(pieces[r], self.index[r][at[r]].type.dtype)  # type: ignore[union-attr]
+                                 for r in everyone})
+                if ok is None:
+                    return None
+                if ok:
+                    n = self.index[everyone[0]][at[everyone[0]]]
+                    s = next((x for x in self.seq.nodes if x.name == sn), None)
+                    return Divergence(n.name, everyone, n.op, n.source, sn, _where(pl),  # type: ignore[union-attr]
+                                      s.source if s else None, [], self.repairs, _where(held),
+                                      dict(at) if len(set(at.values())) > 1 else {})
+        return False
+
+    def walk_back(self, found: Divergence) -> Divergence:
+        """From an input found in the wrong placement, back through the nodes that carry the
+        value in that placement (the linear ops after a partial sum) to the first that made
+        it: where the collective belongs."""
+        while True:
+            at = found.names or {r: found.rank_node for r in found.ranks}
+            step = self.placement(at)
+            if not step:
+                return replace(found, repairs=self.repairs)
+            found = step
 
 
 def _feeds_outputs(dist: Dist) -> set[str]:
@@ -377,10 +546,35 @@ def _fits(sv: Tensor, pl: tuple[Placement, ...], dist: Dist, vals: Mapping[int, 
     shape = list(sv.shape)
     for (_, n), p in zip(dist.mesh.axes, pl, strict=False):  # () : whole copies on some ranks
         if p.kind == "shard":
-            if shape[p.dim] % n:  # type: ignore[index]
+            if p.dim >= len(shape) or shape[p.dim] % n:  # type: ignore[operator, index]
                 return False
             shape[p.dim] //= n  # type: ignore[index]
     return all(list(v.shape) == shape for v in vals.values())
+
+
+def _distance(vals: Mapping[int, Tensor], sv: Tensor, pl: tuple[Placement, ...], dist: Dist,
+              registry: Registry) -> float:
+    """How far the ranks' values are from holding `sv` placed `pl`: 1 - |cosine| between `sv`
+    and what the placement reads from them (each copy, the concat of the shards, the sum of
+    the partials), the largest over what it reads. A wrong value is most often correlated
+    with the right one (twice it, a term short, some rows shifted), while unrelated tensors
+    are near orthogonal whatever their scale."""
+    leaves = {str(r): v for r, v in vals.items()}
+    try:
+        got = [v for v in vals.values()] if not pl else \
+            [eval_term(t, registry, leaves) for t in placed_terms(lambda r: str(r), pl, dist.mesh)]
+    except (EvalError, RuntimeError):
+        return math.inf
+    worst = 0.0
+    b = sv.to(torch.float64).flatten()
+    for g in got:
+        a = g.to(torch.float64).flatten()
+        if a.shape != b.shape:
+            return math.inf
+        norm = float(a.norm() * b.norm())
+        cos = float(torch.dot(a, b)) / norm if norm > 0 and math.isfinite(norm) else 0.0
+        worst = max(worst, 1.0 - abs(cos))
+    return worst
 
 
 def _holds(vals: Mapping[int, Tensor], sv: Tensor, pl: tuple[Placement, ...], dist: Dist, registry: Registry) -> bool:

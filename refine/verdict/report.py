@@ -215,9 +215,16 @@ def _search_lines(search: Search | None) -> list[str]:
 
 def _divergence_lines(d: Divergence) -> list[str]:
     at = f" at {d.source}" if d.source else ""
-    out = [f"on the counterexample, the first rank value that is wrong: {d.rank_node} ({d.op}){at} on rank(s) "
-           f"{', '.join(map(str, d.ranks))}: it holds no sequential value, and had it held {d.seq_node} "
-           f"{d.placement}, every output would be right"]
+    others = "".join(f" (rank {r}: {n})" for r, n in sorted(d.names.items()) if n != d.rank_node)
+    others += f" (with {', '.join(d.also)}, of the same line)" if d.also else ""
+    if d.held is not None:
+        out = [f"on the counterexample, the first rank value that is wrong: {d.rank_node} ({d.op}){at}{others} on "
+               f"rank(s) {', '.join(map(str, d.ranks))}: it holds {d.seq_node} {d.held}, and had it held it "
+               f"{d.placement}, every output would be right: a collective is missing after it"]
+    else:
+        out = [f"on the counterexample, the first rank value that is wrong: {d.rank_node} ({d.op}){at}{others} on "
+               f"rank(s) {', '.join(map(str, d.ranks))}: it holds no sequential value, and had it held {d.seq_node} "
+               f"{d.placement}, every output would be right"]
     if d.chain:
         out.append("computed from rank values that hold no sequential tensor (where a wrong offset, mask or "
                    "layout may sit): " + ", ".join(f"{n}" + (f" at {s}" if s else "") for n, s in d.chain[:12])

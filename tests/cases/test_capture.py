@@ -147,7 +147,7 @@ def test_ddp_mlp_refines_and_its_twins_do_not() -> None:
                                                                 "fc2.weight.grad", "fc2.bias.grad"}
     # every relation is clean: the rank output itself is wrong, made by the gradient all-reduce
     assert sum_not_avg.culprit is not None
-    assert sum_not_avg.culprit.rank_source == line_of(MODELS / "ddp_mlp.py", "dist.all_reduce(p.grad, op=op)")
+    assert sum_not_avg.culprit.rank_source == line_of(MODELS / "ddp_mlp.py", "dist.all_reduce(p.grad, op=dist.ReduceOp.SUM if")
     # every output off by one factor (the world size): the flip of the reduction to AVG is the edit
     # that repairs them all (refine.verdict.factor), so the culprit is the all-reduce's own line
     assert sum_not_avg.culprit.source == sum_not_avg.culprit.rank_source

@@ -63,10 +63,10 @@ def test_capture_holds_the_ring(cp_case: capture.Case) -> None:
     assert wrong_numerically(cp_case) == set()
 
 
-@pytest.mark.parametrize("bug", CP.BUGS)
+@pytest.mark.parametrize("bug", list(CP.BUGS))
 def test_twins_are_wrong_everywhere(bug: str) -> None:
     # the attention output is wrong: the loss and every projection's gradient follow it
-    assert wrong_numerically(capture(CP.make_case(world_size=2, bug=bug))) == {"loss"} | GRADS
+    assert wrong_numerically(capture(CP.make_case(world_size=2, bug=bug, **CP.BUGS[bug]))) == {"loss"} | GRADS
 
 
 def test_ring_attention_refines(cp_case: capture.Case) -> None:
@@ -76,11 +76,11 @@ def test_ring_attention_refines(cp_case: capture.Case) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bug", CP.BUGS)
+@pytest.mark.parametrize("bug", list(CP.BUGS))
 def test_twins_are_found_at_the_attention_output(bug: str) -> None:
     """The merge no longer equals attention over both blocks: the first sequential node with
     no clean relation is the attention output `p @ v` (softmax itself is fused into it)."""
-    report = capture(CP.make_case(world_size=2, bug=bug)).check()
+    report = capture(CP.make_case(world_size=2, bug=bug, **CP.BUGS[bug])).check()
     assert not report.refines
     assert failing(report) == {"loss"} | GRADS
     assert report.culprit is not None, report

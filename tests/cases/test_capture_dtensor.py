@@ -165,7 +165,7 @@ def test_loss_twins_do_not_refine(bug: str, sp: bool, culprit: str, rank_culprit
 def test_bug_twins_are_numerically_wrong(tp_case: capture.Case, sp_case: capture.Case, bug: str,
                                          wrong: set[str]) -> None:
     assert wrong_numerically(tp_case) == set() and wrong_numerically(sp_case) == set()
-    assert wrong_numerically(capture(DT.make_case(bug=bug, sequence_parallel=DT.BUGS[bug]))) == wrong
+    assert wrong_numerically(capture(DT.make_case(bug=bug, **DT.BUGS[bug]))) == wrong
 
 
 # ---------------------------------------------------------------------------------------

@@ -40,9 +40,9 @@ def case() -> capture.Case:
     return timed_capture(MOE.make_case())
 
 
-@pytest.fixture(scope="module", params=MOE.BUGS)
+@pytest.fixture(scope="module", params=list(MOE.BUGS))
 def twin(request: pytest.FixtureRequest) -> tuple[str, capture.Case]:
-    return request.param, timed_capture(MOE.make_case(bug=request.param))
+    return request.param, timed_capture(MOE.make_case(bug=request.param, **MOE.BUGS[request.param]))
 
 
 # ---------------------------------------------------------------------------------------

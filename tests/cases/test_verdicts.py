@@ -172,7 +172,8 @@ def test_a_refines_the_numbers_contradict_is_a_soundness_failure(monkeypatch: py
 
 
 # The rank node each bundled twin's bug makes wrong first (models/make_examples.py): the op the
-# bug plants, or, for a missing op, the node whose value it should have transformed; and
+# bug plants, or, for a missing op, the node whose value it should have transformed (for a
+# missing all-reduce, the partial sum it should have reduced: the matmul, the masked lookup); and
 # rank nodes the report must list among those it is computed from (a wrong offset sits in
 # the range tests, not in the lookup that reads them).
 BUG_NODE: dict[str, tuple[str, set[str]]] = {
@@ -182,13 +183,13 @@ BUG_NODE: dict[str, tuple[str, set[str]]] = {
     "sp_mlp_symbolic_bug_bias_before_reduce_scatter": ("fc2_bias", set()),
     "sp_mlp_symbolic_bug_gather_wrong_dim": ("sp_gather_view", {"sp_gather"}),
     "tp_attention_bug_bias_before_sum": ("out_bias", set()),
-    "tp_attention_bug_missing_all_reduce": ("out_bias", set()),
+    "tp_attention_bug_missing_all_reduce": ("out_proj", set()),
     "tp_attention_bug_reduce_replicated_input": ("x_sum", set()),
     "tp_mlp_bug_bias_before_sum": ("fc2_bias", set()),
     "tp_mlp_bug_double_all_reduce": ("fc2_sum_again", set()),
-    "tp_mlp_bug_missing_all_reduce": ("fc2_bias", set()),
+    "tp_mlp_bug_missing_all_reduce": ("fc2", set()),
     "tp_mlp_symbolic_bug_bias_before_sum": ("fc2_bias", set()),
-    "vocab_embedding_bug_missing_all_reduce": ("embed_sum", set()),
+    "vocab_embedding_bug_missing_all_reduce": ("tok_embed_masked", set()),
     "vocab_embedding_bug_missing_output_mask": ("tok_embed", set()),
     "vocab_embedding_bug_wrong_offset": ("tok_embed", {"below", "above", "local_ids"}),
 }
@@ -238,3 +239,15 @@ def test_a_divergence_is_a_repair_the_numbers_confirm() -> None:
     assert all(e.ok for e in errors)
     as_is = eval_ranks(dist.ranks, reg, found.rank_inputs)
     assert not all(e.ok for e in counterexample.compare(seq, dist, reg, seq_vals, as_is)[0])
+
+
+@pytest.mark.parametrize("case", [c for c in BUG_TWINS if c.endswith("_bug_missing_all_reduce")])
+def test_a_missing_all_reduce_is_named_where_the_partial_sum_is_made(case: str) -> None:
+    """The ranks' values are right, in pieces: the divergence is the partial sum that, held
+    whole on every rank, makes every output right (the node after which the all-reduce
+    belongs), not the first value computed from it."""
+    report = check_files(MODELS / case / "seq.json", MODELS / case / "dist.json")
+    d = report.culprit.divergence if report.culprit else None
+    assert d is not None and d.held == "placed [Partial(sum)]" and d.placement == "placed [Replicate]", str(report)
+    assert d.rank_node == BUG_NODE[case][0]
+    assert "a collective is missing after it" in " ".join(str(report).replace("│", " ").split())
