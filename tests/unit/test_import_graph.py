@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("refine.verdict",),
     ("refine.check",),
     ("refine.oracle",),
+    ("refine.testing",),
     ("refine.bench",),
     ("refine.cli",),
 ]
