@@ -329,10 +329,14 @@ def diverge(seq: Graph, dist: Dist, registry: Registry, cex: Counterexample, max
         vals = {r: rp.rank_vals[r][name] for r in ranks}
         options = [(sn, sv, pl) for sn, sv in rp.seq_tensors if _same_class(sv, vals[ranks[0]])
                    for pl in _placements(dist, sv, ranks) if _fits(sv, pl, dist, vals)]
-        held = [pl for _, sv, pl in options if _holds(vals, sv, pl, dist, registry)]
-        if held:
+        # the first placement that holds (a search, short-circuited: a long program has as
+        # many candidates per node as it has sequential tensors of its shape)
+        held = next((pl for _, sv, pl in options if _holds(vals, sv, pl, dist, registry)), None)
+        if held is not None:
             explained.add(name)
-            if len(ranks) == len(everyone) and all(any(p.kind == "partial" for p in pl) for pl in held):
+            whole = not _partial(held) or any(not _partial(pl) and _holds(vals, sv, pl, dist, registry)
+                                              for _, sv, pl in options)
+            if len(ranks) == len(everyone) and not whole:
                 # right values in pieces where the program needs them whole: a collective missing
                 step = rp.reheld({r: name for r in ranks})
                 if step is None:
@@ -575,6 +579,10 @@ def _distance(vals: Mapping[int, Tensor], sv: Tensor, pl: tuple[Placement, ...],
         cos = float(torch.dot(a, b)) / norm if norm > 0 and math.isfinite(norm) else 0.0
         worst = max(worst, 1.0 - abs(cos))
     return worst
+
+
+def _partial(pl: tuple[Placement, ...]) -> bool:
+    return any(p.kind == "partial" for p in pl)
 
 
 def _holds(vals: Mapping[int, Tensor], sv: Tensor, pl: tuple[Placement, ...], dist: Dist, registry: Registry) -> bool:
