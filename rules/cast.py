@@ -21,7 +21,7 @@ from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Fact, Op, Rule, Sample, ShapeError, every_term, rule
+from refine.ops.registry import Fact, Op, Rule, Sample, ShapeError, every_term, rule, wanted_through
 
 
 def _cast_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -67,14 +67,18 @@ OPS = [
 # or). What a cast's operand is made of decides whether the cast passes over a Sum: a count
 # of tokens cast to float before its all-reduce (cast(n@0) + cast(n@1)) is the cast of the
 # summed count. Analysis rules (run with the shape rules, to saturation), walking a sum's
-# terms as rules/vector_norm.py's NonNeg does (`every_term`).
+# terms as rules/vector_norm.py's NonNeg does (`every_term`), only the sums a cast is over
+# (NumWant: most sums of a training step are sums of numbers, and walking them all is costly).
+PASSING = (("Scale", "r"), ("view", "s"), ("expand", "s"), ("slice", "d st en"), ("transpose", "i j"))
 NUMERIC = [
     rule("numeric-cast", ["(= e (cast_float_t x))"], ["(Numeric e)"], analysis=True),
     rule("numeric-rsum", ["(= e (rsum x d))"], ["(Numeric e)"], analysis=True),  # torch counts bools as int64
     *(rule(f"numeric-{op}", [f"(= e ({op} x {args}))", "(Numeric x)"], ["(Numeric e)"], analysis=True)
-      for op, args in (("Scale", "r"), ("view", "s"), ("expand", "s"), ("slice", "d st en"), ("transpose", "i j"))),
+      for op, args in PASSING),
     rule("numeric-cat", ["(= e (cat a b d))", "(Numeric a)", "(Numeric b)"], ["(Numeric e)"], analysis=True),
-    *every_term("numeric", "Numeric", "NumTodo", "NumAll"),
+    rule("numeric-want-cast", ["(= e (cast_float_t x))"], ["(NumWant x)"], analysis=True),
+    *wanted_through("numeric", "NumWant", PASSING),
+    *every_term("numeric", "Numeric", "NumTodo", "NumAll", want="NumWant"),
 ]
 
 # cast_float_t also gets the unary templates (over cat, into slice); over a Sum only of numbers
@@ -84,7 +88,7 @@ RULES: list[Rule] = [
          ["(union e (Sum (unstable-multiset-map (unstable-fn \"cast_float_t\") ms)))"]),
 ]
 
-DECLS = ["(relation Numeric (T))", "(relation NumTodo (TS))", "(relation NumAll (TS))"]
+DECLS = ["(relation Numeric (T))", "(relation NumWant (T))", "(relation NumTodo (TS))", "(relation NumAll (TS))"]
 
 
 def _numeric(v: Any) -> bool:

@@ -24,7 +24,16 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Fact, Op, Rule, ShapeError, every_term, rewrite, rule
+from refine.ops.registry import (
+    Fact,
+    Op,
+    Rule,
+    ShapeError,
+    every_term,
+    rewrite,
+    rule,
+    wanted_through,
+)
 
 
 def _dims(attrs: dict[str, Any], ndim: int) -> tuple[int, ...]:
@@ -119,8 +128,12 @@ NONNEG = [
       for op in ("rsum", "rmax", "rmean")),
     rule("nonneg-scale", ["(= e (Scale x r))", "(NonNeg x)", f"(>= r {ZERO})"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-mul", ["(= e (mul_t x y))", "(NonNeg x)", "(NonNeg y)"], ["(NonNeg e)"], analysis=True),
-    # a sum whose every term is non-negative
-    *every_term("nonneg", "NonNeg", "NNTodo", "NNAll"),
+    # a sum whose every term is non-negative, asked of what a square root or an abs is over
+    *(rule(f"nonneg-want-{op}", [f"(= e ({op} x))"], ["(NNWant x)"], analysis=True) for op in ("sqrt_t", "abs_t")),
+    *wanted_through("nonneg", "NNWant", (("rsum", "d"), ("rmax", "d"), ("rmean", "d"), ("Scale", "r"), ("view", "s"),
+                                         ("expand", "s"), ("slice", "d st en"), ("transpose", "i j"))),
+    rule("nonneg-want-mul", ["(NNWant e)", "(= e (mul_t x y))"], ["(NNWant x)", "(NNWant y)"], analysis=True),
+    *every_term("nonneg", "NonNeg", "NNTodo", "NNAll", want="NNWant"),
     rule("nonneg-view", ["(= e (view x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-expand", ["(= e (expand x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-slice", ["(= e (slice x d st en))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
@@ -152,7 +165,7 @@ RULES: list[Rule] = [
     # (a reduction over a size-1 dim keeping every element is rules/reduce.py's rsum-size-one)
 ]
 
-DECLS = ["(relation NonNeg (T))", "(relation NNTodo (TS))", "(relation NNAll (TS))"]
+DECLS = ["(relation NonNeg (T))", "(relation NNWant (T))", "(relation NNTodo (TS))", "(relation NNAll (TS))"]
 
 
 def _nonneg(v: Any) -> bool:

@@ -409,15 +409,22 @@ def rule(name: str, query: list[str], actions: list[str], doc: str = "", symboli
     return Rule.of(name, (Sym("rule"), tuple(q), tuple(acts)), doc=doc, symbolic=symbolic, analysis=analysis)
 
 
-def every_term(prefix: str, fact: str, todo: str, every: str) -> list[Rule]:
+def every_term(prefix: str, fact: str, todo: str, every: str, want: str | None = None) -> list[Rule]:
     """Analysis rules deriving `(fact e)` for a Sum e whose every term has it: `(todo ms)`
     walks a sum's multiset one picked term at a time while the terms have it, `(every ms)`
-    says all of ms do (egglog has no quantifier over a multiset's elements)."""
+    says all of ms do (egglog has no quantifier over a multiset's elements).
+
+    The walk costs a sum of n terms n multisets and n analysis iterations, and the sum rules
+    make many long sums: walked for every sum, one step's analysis took minutes. With `want`
+    only sums something asks about are walked: the family seeds `(want x)` where a rule
+    reads the fact and passes it down the ops its facts come up through; a wanted sum's
+    terms are wanted too (through the sum index, SumHas)."""
     def r(name: str, query: list[str], actions: list[str]) -> Rule:
         return rule(f"{prefix}-{name}", query, actions, analysis=True)
 
+    asked = [f"({want} e)"] if want else []
     return [
-        r("sum-start", ["(= e (Sum ms))", f"({fact} (multiset-pick ms))"], [f"({todo} ms)"]),
+        r("sum-start", ["(= e (Sum ms))", *asked, f"({fact} (multiset-pick ms))"], [f"({todo} ms)"]),
         r("sum-last", [f"({todo} ms)", "(= (multiset-length ms) 1)", f"({fact} (multiset-pick ms))"],
           [f"({every} ms)"]),
         r("sum-next", [f"({todo} ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", f"({fact} p)",
@@ -425,7 +432,17 @@ def every_term(prefix: str, fact: str, todo: str, every: str) -> list[Rule]:
         r("sum-all", [f"({todo} ms)", "(> (multiset-length ms) 1)", "(= p (multiset-pick ms))", f"({fact} p)",
                       f"({every} (multiset-remove ms p))"], [f"({every} ms)"]),
         r("sum", ["(= e (Sum ms))", f"({every} ms)"], [f"({fact} e)"]),
+        *([r("want-terms", [f"({want} e)", "(= e (Sum ms))", "(SumHas e a)"], [f"({want} a)"])] if want else []),
     ]
+
+
+def wanted_through(prefix: str, want: str, ops: Iterable[tuple[str, str]]) -> list[Rule]:
+    """Analysis rules passing a demand `(want e)` (see every_term) from each op's result to
+    its operands: ops as (name, the arguments after the first operand); `cat` passes it to both."""
+    out = [rule(f"{prefix}-want-{op}", [f"({want} e)", f"(= e ({op} x{' ' + args if args else ''}))"],
+                [f"({want} x)"], analysis=True) for op, args in ops]
+    return out + [rule(f"{prefix}-want-cat", [f"({want} e)", "(= e (cat a b d))"], [f"({want} a)", f"({want} b)"],
+                       analysis=True)]
 
 
 def _hoist(x: Sexp, start: int = 0) -> tuple[Sexp, list[Sexp]]:
