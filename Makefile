@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-all lint bench clean
 
 $(BIN)/refine: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,9 +17,16 @@ setup: $(BIN)/refine
 demo: setup
 	$(BIN)/refine check models/tp_mlp/seq.json models/tp_mlp/dist.json
 
+# both cores: the suite is mostly independent capture and e-graph runs. `test` (CI) leaves out
+# the tests marked slow (a minute or more each: whole-model twins, knob sweeps, 8-rank
+# reductions); `test-all` runs them too, before a merge.
 test: setup
 	$(BIN)/ruff check refine rules models tests notebooks
-	$(BIN)/python -m pytest -q -n 2  # both cores: the suite is mostly independent capture and e-graph runs
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+test-all: setup
+	$(BIN)/ruff check refine rules models tests notebooks
+	$(BIN)/python -m pytest -q -n 2
 
 lint: setup
 	$(BIN)/ruff check refine rules models tests notebooks
