@@ -21,7 +21,17 @@ from refine.ir.graph import Arg, TensorType, narrowing, value_class
 from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import Fact, Op, Rule, Sample, ShapeError, every_term, rule, wanted_through
+from refine.ops.registry import (
+    DEMAND,
+    Fact,
+    Op,
+    Rule,
+    Sample,
+    ShapeError,
+    every_term,
+    rule,
+    wanted_through,
+)
 
 
 def _cast_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -96,7 +106,7 @@ def _numeric(v: Any) -> bool:
 
 
 # What the facts say, for the soundness harness: it checks every fact it reads back
-FACTS = {"Numeric": Fact("one", _numeric), "NumAll": Fact("all", _numeric), "NumTodo": Fact("any", _numeric)}
+FACTS = {"Numeric": Fact("one", _numeric), "NumWant": DEMAND, "NumAll": Fact("all", _numeric), "NumTodo": Fact("any", _numeric)}
 
 
 # The soundness harness's seeds: bool masks and small integers, as the casts it stands for

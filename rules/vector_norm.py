@@ -25,6 +25,7 @@ from refine.ir.lazy import torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
 from refine.ops.registry import (
+    DEMAND,
     Fact,
     Op,
     Rule,
@@ -175,6 +176,7 @@ def _nonneg(v: Any) -> bool:
 # What the facts say, for the soundness harness: it checks every fact it reads back
 FACTS = {
     "NonNeg": Fact("one", _nonneg),
+    "NNWant": DEMAND,  # a sum asked about
     "NNAll": Fact("all", _nonneg),  # every term of a sum is non-negative
     "NNTodo": Fact("any", _nonneg),  # the rest of a sum, walked while its terms are non-negative
 }
