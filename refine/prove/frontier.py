@@ -86,7 +86,7 @@ def _derive(prog: DistProgram, x: str, avail: set[str], depth: int, out: list[st
 
 def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
              defined: frozenset[str] | set[str] = frozenset(), structural: bool = False,
-             policy: Policy = DEFAULT) -> list[str]:
+             policy: Policy = DEFAULT, side: bool = False) -> list[str]:
     """Rank tensors within `hops` uses of `leaves` whose every input is available, plus the
     leaves' own definitions, in a deterministic order. An input in `defined` (available, like
     the known ones) comes along with its definition, as constants do.
@@ -94,7 +94,10 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
     `structural`: a use by a view, slice, concat, transpose or expand costs no hop, and its
     other operands come along when walked ops compute them from available tensors (a rank
     writing its rotated q back into its fused qkv buffer: a concat with the buffer's
-    untouched columns, which are no user of q; then split, viewed and transposed again)."""
+    untouched columns, which are no user of q; then split, viewed and transposed again).
+
+    `side`: a use whose other operands are computed from available tensors by a few ops
+    (Policy.side_depth) comes along with them."""
     canon = prog.same.find
     avail = {canon(x) for x in known} | {canon(x) for x in leaves}
     chosen: list[str] = [x for x in sorted(leaves) if prog.defs.get(x) is not None]
@@ -150,7 +153,7 @@ def frontier(prog: DistProgram, leaves: set[str], known: set[str], hops: int,
                 if d is not None and all(canon(dep) in avail or is_constant(prog, dep)
                                          or (u in prog.copies and canon(dep) == canon(u)) for dep in d.leaves()):
                     nxt.add(u)
-                elif d is not None and policy.side_depth:
+                elif d is not None and side and policy.side_depth:
                     # its other operands computed from what is available (rank inputs
                     # among it) by a few ops: a mask a rank makes from its labels per
                     # micro-batch, beside the value it masks; they come along with u

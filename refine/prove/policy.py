@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # In the order the walk tries them on a node (see refine.prove.walk.infer for which apply where).
-STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back")
+STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back", "side")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Policy:
     # How far back the other operand of such an op may be derived from available tensors
     # (a buffer's untouched part, beside the written slice).
     struct_depth: int = 4
-    # A use of a frontier tensor whose other operand is not available yet is taken when
+    # The `side` strategy: a use of a frontier tensor whose other operand is not available yet is taken when
     # that operand is computed from available tensors (rank inputs among them) and
     # constants by at most this many ops, which come along: a mask a rank builds from its
     # labels for each micro-batch, beside the losses it masks.

@@ -9,7 +9,9 @@ strategies, tried in order until one gives a clean relation (refine.prove.policy
 - `deep`: instead of `wide` over a fused op's term, a step Policy.deep_hops uses deep;
 - `carried`: instead of `wide` over a carried mask's term, a step Policy.carry_hops deep;
 - `write_back`: where the ranks write the inputs' tensors back into a buffer, a step over
-  the structural chain (refine.prove.frontier.frontier's `structural`).
+  the structural chain (refine.prove.frontier.frontier's `structural`);
+- `side`: where a use's other operand is computed from available tensors by a few ops, a
+  step with that chain along (refine.prove.frontier.frontier's `side`).
 
 Which strategies apply to a node is decided by the node alone (`_plan`); the policy can only
 leave some out. What the walk learns (tensors found equal, opaque leaves for unclean nodes)
@@ -142,9 +144,10 @@ class _Search:
         """The leaves with their replicas (computed only when a step runs: a replay needs none)."""
         return with_replicas(self.walk.prog, self.leaves)
 
-    def frontier(self, hops: int, structural: bool = False) -> list[str]:
+    def frontier(self, hops: int, structural: bool = False, side: bool = False) -> list[str]:
         w = self.walk
-        return frontier(w.prog, self.near, self.known, hops, self.offered, structural=structural, policy=w.policy)
+        return frontier(w.prog, self.near, self.known, hops, self.offered, structural=structural, policy=w.policy,
+                        side=side)
 
     def step(self, tensors: list[str], iterations: int = 0) -> StepResult:
         w = self.walk
@@ -189,6 +192,19 @@ def _write_back(s: _Search) -> Found | None:
     return tensors, s.step(tensors)
 
 
+def _side(s: _Search) -> Found | None:
+    """A use whose other operand the ranks compute from available tensors by a few ops (a
+    mask a rank makes from its labels per micro-batch, beside the value it masks): retried
+    once with those chains along. Only there: a step proven without them keeps its search,
+    its replays and its culprit (a larger step relates a mask to another rank's piece)."""
+    if OPAQUE in s.ops or not s.walk.policy.side_depth:
+        return None
+    tensors = s.frontier(s.hops[0], side=True)
+    if tensors == s.frontier(s.hops[0]):
+        return None  # no chain to take along
+    return tensors, s.step(tensors)
+
+
 _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("replay", _replay),
     Strategy("near", _hop(lambda p: p.near_hops)),
@@ -196,6 +212,7 @@ _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("deep", _hop(lambda p: p.deep_hops, lambda p: p.deep_iterations)),
     Strategy("carried", _hop(lambda p: p.carry_hops)),
     Strategy("write_back", _write_back),
+    Strategy("side", _side),
 )}
 assert tuple(_BY_NAME) == STRATEGIES
 
@@ -233,7 +250,7 @@ class _Walk:
         """The strategies for the node, in order, until one gives a clean relation."""
         found: Found | None = None
         by = ""
-        for name in ["replay", *tries, "write_back"]:
+        for name in ["replay", *tries, "write_back", "side"]:
             if found is not None and found[1].clean:
                 break
             if not self.policy.uses(name):

@@ -189,12 +189,11 @@ USE: dict[str, str] = {
 }
 CORPUS_CASES = {"qwen2_tp2", "qwen2_tp4", "gpt_tp2"}  # 3-10 s a check
 
-# Knobs whose case the side derivation (side_depth: a node's operands related through their
-# own operands) also proves another way: their case needs them with it off. With it on, no
-# case found so far needs them (measured on their cases only: candidates for removal once
+# Knobs whose case the `side` strategy (a step with a use's other operands' chains along,
+# Policy.side_depth) also proves another way: their case needs them with it off. With it on,
+# no case found so far needs them (measured on their cases only: candidates for removal once
 # the whole measurement NO_CASE describes is made).
-BESIDE_SIDE = {"near_hops", "flood", "wide_hops", "counterpart_depth", "struct_depth", "struct_free",
-               "write_back_hops"}
+BESIDE_SIDE = {"flood", "wide_hops"}
 
 # Knobs no case needs: at their smallest value every bundled model (models/*, 11 refining),
 # every captured model that refines (27 configurations of models/capture), the refining
