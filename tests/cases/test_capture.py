@@ -270,6 +270,46 @@ def test_annotation_names_another_sequential_input_and_layouts(tmp_path: Path) -
     assert any(g.startswith("fc.weight: [Shard(0)] (guessed") for g in from_files.guesses), from_files.guesses
 
 
+@pytest.mark.parametrize("after", ["squeeze", "detach", "in_step"])
+def test_an_annotation_on_a_tensor_the_step_never_receives_is_an_error(after: str) -> None:
+    """An op after the annotation makes a new tensor with none: refused at the annotating
+    line, never an annotation lost (the input would be guessed, or taken as replicated)."""
+    x = torch.randn(1, 2, 4)
+
+    def rank(r: int) -> capture.Step:
+        piece = x[:, r:r + 1].clone()
+        if after == "squeeze":
+            data = capture.shard(piece, 0).squeeze(0)  # the annotated tensor is `piece`
+        elif after == "detach":
+            data = capture.shard(piece, 0).detach()
+        else:
+            data = piece.squeeze(0)
+
+        def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            x = capture.shard(x, 0) if after == "in_step" else x  # a traced value, not an input
+            return sum_step(model, x)
+
+        return capture.Step(Lin(), step, {"x": data})
+
+    with pytest.raises(CaptureError) as e:
+        capture(capture.Spec(capture.Step(Lin(), sum_step, {"x": x.squeeze(0)}), rank))
+    msg = str(e.value)
+    assert "rank 0" in msg and "Shard(0)" in msg and "test_capture.py:" in msg and "not a parameter" in msg, msg
+
+
+def test_annotating_the_tensor_the_step_receives_is_kept() -> None:
+    x = torch.randn(1, 2, 4)
+
+    def lin() -> nn.Module:
+        torch.manual_seed(1)  # the same weights on both sides
+        return Lin()
+
+    case = capture(capture.Spec(capture.Step(lin(), sum_step, {"x": x.squeeze(0)}),
+                                lambda r: capture.Step(lin(), sum_step,
+                                                       {"x": capture.shard(x[:, r:r + 1].clone().squeeze(0), 0)})))
+    assert {"from": "x", "placements": ["Shard(0)"]} in case.dist_doc["relations"], case.dist_doc["relations"]
+
+
 class Attention(nn.Module):
     """Fused qkv split into heads, softmax, a residual: a broad sample of the op mapping."""
 

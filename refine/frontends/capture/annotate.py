@@ -24,10 +24,12 @@ them `"guessed": true`, and every report flags them. Frameworks register deriver
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -67,6 +69,32 @@ def collecting() -> Iterator[dict[str, Annotation]]:
         _BY_NAME.reset(token)
 
 
+# Tensors annotated while a rank is built, with the line that annotated each: one that is not
+# what the step receives (an op applied after the annotation made a new tensor) is an error,
+# never an annotation lost silently.
+Made = list[tuple[torch.Tensor, Annotation, str]]
+_MADE: ContextVar[Made | None] = ContextVar("refine_capture_made", default=None)
+
+
+@contextmanager
+def watching() -> Iterator[Made]:
+    """Tensors annotated while this is active land here (see `_MADE`)."""
+    made: Made = []
+    token = _MADE.set(made)
+    try:
+        yield made
+    finally:
+        _MADE.reset(token)
+
+
+def _caller() -> str:
+    """The first frame outside this file: the user's line that annotated."""
+    f = sys._getframe(1)
+    while f is not None and Path(f.f_code.co_filename) == Path(__file__):
+        f = f.f_back
+    return "<unknown>" if f is None else f"{Path(f.f_code.co_filename).name}:{f.f_lineno}"
+
+
 def _merge(old: Annotation | None, new: Annotation, what: str) -> Annotation:
     if old is None:
         return new
@@ -89,7 +117,11 @@ def _annotate(target: T, ann: Annotation) -> T:
         return target
     if not isinstance(target, torch.Tensor):
         raise CaptureError(f"capture annotations take a tensor or a name, got {type(target).__name__}")
-    setattr(target, ATTR, _merge(getattr(target, ATTR, None), ann, "a tensor"))
+    merged = _merge(getattr(target, ATTR, None), ann, "a tensor")
+    setattr(target, ATTR, merged)
+    made = _MADE.get()
+    if made is not None:
+        made.append((target, merged, _caller()))
     return target
 
 

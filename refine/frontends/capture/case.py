@@ -42,7 +42,13 @@ from typing import Any
 import torch
 
 from refine.frontends.build import write_case
-from refine.frontends.capture.annotate import Annotation, check_groups, collecting, placements_on
+from refine.frontends.capture.annotate import (
+    Annotation,
+    check_groups,
+    collecting,
+    placements_on,
+    watching,
+)
 from refine.frontends.capture.convert import Converted, convert
 from refine.frontends.capture.dtensor import local_distribution
 from refine.frontends.capture.errors import CaptureError
@@ -167,7 +173,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     ranks: dict[int, _Rank] = {}
     for r in range(spec.world_size):
         where = f"rank {r}"
-        with fake_process_group(r, spec.world_size), collecting() as named:
+        with fake_process_group(r, spec.world_size), collecting() as named, watching() as made:
             try:
                 with local_distribution():
                     step = spec.rank(r)
@@ -185,6 +191,14 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         if unknown:
             raise CaptureError(f"{where}: annotated {unknown}, which are not inputs of the rank's step "
                                f"(parameters, buffers and inputs: {', '.join(sorted(names))})")
+        received = {id(v) for _, _, v in tr.inputs}
+        for t, ann, line in made:
+            if id(t) not in received:
+                raise CaptureError(
+                    f"{where}: the tensor annotated {ann.describe()} at {line} (shape {tuple(t.shape)}) is not a "
+                    "parameter, buffer or input of the rank's step: an op applied after the annotation made a "
+                    "new tensor, which has none. Annotate the tensor the step receives "
+                    "(capture.shard(x.squeeze(0), 0), not capture.shard(x, 0).squeeze(0)).")
         ranks[r] = _Rank(tr, cv, tr.annotations | named)
     t_ranks = time.perf_counter() - t0 - t_seq
 
