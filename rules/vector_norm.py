@@ -117,6 +117,10 @@ OPS = [
 
 ZERO = "(bigrat (bigint 0) (bigint 1))"
 
+# Ops whose result is non-negative where their first operand is (their other arguments after it)
+PASSING = (("rsum", "d"), ("rmax", "d"), ("rmean", "d"), ("view", "s"), ("expand", "s"), ("slice", "d st en"),
+           ("transpose", "i j"))
+
 # (NonNeg e): no element of e is negative. Analysis rules: they run with the shape rules,
 # to saturation before each iteration, so every rewrite below sees the facts complete.
 NONNEG = [
@@ -125,20 +129,15 @@ NONNEG = [
     rule("nonneg-mul-self", ["(= e (mul_t x x))"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-full", ["(= e (full v s))", "(>= v 0.0)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-clamp", ["(= e (clamp_t x lo hi))", "(>= lo 0.0)"], ["(NonNeg e)"], analysis=True),
-    *(rule(f"nonneg-{op}", [f"(= e ({op} x d))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True)
-      for op in ("rsum", "rmax", "rmean")),
+    *(rule(f"nonneg-{op}", [f"(= e ({op} x {args}))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True)
+      for op, args in PASSING),
     rule("nonneg-scale", ["(= e (Scale x r))", "(NonNeg x)", f"(>= r {ZERO})"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-mul", ["(= e (mul_t x y))", "(NonNeg x)", "(NonNeg y)"], ["(NonNeg e)"], analysis=True),
     # a sum whose every term is non-negative, asked of what a square root or an abs is over
     *(rule(f"nonneg-want-{op}", [f"(= e ({op} x))"], ["(NNWant x)"], analysis=True) for op in ("sqrt_t", "abs_t")),
-    *wanted_through("nonneg", "NNWant", (("rsum", "d"), ("rmax", "d"), ("rmean", "d"), ("Scale", "r"), ("view", "s"),
-                                         ("expand", "s"), ("slice", "d st en"), ("transpose", "i j"))),
+    *wanted_through("nonneg", "NNWant", (*PASSING, ("Scale", "r"))),
     rule("nonneg-want-mul", ["(NNWant e)", "(= e (mul_t x y))"], ["(NNWant x)", "(NNWant y)"], analysis=True),
     *every_term("nonneg", "NonNeg", "NNTodo", "NNAll", want="NNWant"),
-    rule("nonneg-view", ["(= e (view x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
-    rule("nonneg-expand", ["(= e (expand x s))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
-    rule("nonneg-slice", ["(= e (slice x d st en))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
-    rule("nonneg-transpose", ["(= e (transpose x i j))", "(NonNeg x)"], ["(NonNeg e)"], analysis=True),
     rule("nonneg-cat", ["(= e (cat a b d))", "(NonNeg a)", "(NonNeg b)"], ["(NonNeg e)"], analysis=True),
 ]
 

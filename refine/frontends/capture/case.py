@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from refine.frontends.build import write_case
 from refine.frontends.capture.annotate import (
@@ -155,20 +156,20 @@ class _Rank:
     annotations: dict[str, Annotation]
 
 
-def _lost(t: torch.Tensor, received: list[Any]) -> bool:
-    """Whether an annotated tensor's annotation would be lost: it was annotated inside the
-    traced step (a fake value, not an input), or the step receives another tensor on its
+def _lost(t: torch.Tensor, received: list[Any]) -> str | None:
+    """Why an annotated tensor's annotation would be lost, or None: it was annotated inside
+    the traced step (a fake value, not an input), or the step receives another tensor on its
     storage (a view or a detach made after the annotation). A tensor annotated and then
     dropped (a module replaced) is no input of the step and is no loss either."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if any(v is t for v in received):
-        return False
+        return None
     if is_fake(t):
-        return True
+        return "it is a value inside the traced step"
     ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
-    return ptr != 0 and any(isinstance(v, torch.Tensor) and not is_fake(v) and v.device.type != "meta"
-                            and v.untyped_storage().data_ptr() == ptr for v in received)
+    if ptr != 0 and any(isinstance(v, torch.Tensor) and not is_fake(v) and v.device.type != "meta"
+                        and v.untyped_storage().data_ptr() == ptr for v in received):
+        return "the step receives a view of it: an op applied after the annotation made a new tensor, which has none"
+    return None
 
 
 def capture(spec: Spec, registry: Registry | None = None) -> Case:
@@ -209,11 +210,10 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
                                f"(parameters, buffers and inputs: {', '.join(sorted(names))})")
         received = [v for _, _, v in tr.inputs]
         for t, ann, line in made:
-            if _lost(t, received):
+            if (why := _lost(t, received)) is not None:
                 raise CaptureError(
                     f"{where}: the tensor annotated {ann.describe()} at {line} (shape {tuple(t.shape)}) is not a "
-                    "parameter, buffer or input of the rank's step, which receives a view of it or a traced value: "
-                    "an op applied after the annotation made a new tensor, which has none. Annotate the tensor the step receives "
+                    f"parameter, buffer or input of the rank's step; {why}. Annotate the tensor the step receives "
                     "(capture.shard(x.squeeze(0), 0), not capture.shard(x, 0).squeeze(0)).")
         ranks[r] = _Rank(tr, cv, tr.annotations | named)
     t_ranks = time.perf_counter() - t0 - t_seq
