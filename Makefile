@@ -36,8 +36,8 @@ bench: setup
 	$(BIN)/python -m refine.bench.load  # loading 1e4..1e6-node graphs (time, memory, per node) and a 1e4-node check (bench_load.md)
 	$(BIN)/python -m refine.bench.corpus  # the external corpus matrix, when ../shared/corpus is there
 	$(BIN)/python -m refine.bench.search  # the counterexample search on every buggy twin (bench_search.md)
-	$(BIN)/python -m refine.bench.zoo  # the model zoo: program x config and each bug -> verdict, culprit right, seconds, RSS (bench_zoo.md)
 	$(BIN)/python -m refine.bench.mutate  # mutation sweep: examples, captured and corpus cases (bench_mutate.md); exit 1 if one is unsound or crashed
+	$(BIN)/python -m refine.bench.zoo  # the model zoo: program x config and each bug -> verdict, culprit right, seconds, RSS (bench_zoo.md); exit 1 if a row is not as expected
 
 clean:
 	rm -rf $(VENV) build *.egg-info
