@@ -1,4 +1,4 @@
-"""Execute notebooks/localize_bug.ipynb headlessly and check what it shows.
+"""Execute the notebooks headlessly and check what they show.
 
 The kernel is this interpreter: a throwaway kernelspec (argv[0] = sys.executable) is put
 first on JUPYTER_PATH, so neither a user-level `python3` kernelspec nor whatever `python`
@@ -33,7 +33,8 @@ def _texts(outputs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def test_localize_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _execute(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, Any]], str]:
+    """Run notebooks/<name> in a kernel of this interpreter: its code cells' outputs, and their text."""
     spec = tmp_path / "kernels" / KERNEL
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({
@@ -42,7 +43,7 @@ def test_localize_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("MPLBACKEND", "Agg")  # the notebook's %matplotlib inline still yields PNGs
 
-    path = NOTEBOOKS / "localize_bug.ipynb"
+    path = NOTEBOOKS / name
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         "commit the notebook with its outputs cleared"
@@ -57,7 +58,23 @@ def test_localize_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert not errors, "\n".join("\n".join(o.get("traceback", [])) for o in errors)
     text = "\n".join(_texts(outputs))
     assert f"KERNEL-PREFIX {sys.prefix}" in text
+    return outputs, text
+
+
+def test_localize_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outputs, text = _execute("localize_bug.ipynb", tmp_path, monkeypatch)
     assert "verdict: DOES NOT REFINE" in text
     assert "culprit: fc2_bias (add)" in text
     assert "verdict: REFINES" in text  # the correct model at the end
     assert any("image/png" in o.get("data", {}) for o in outputs), "no figure was drawn"
+
+
+def test_author_rules_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the refusal of an unknown op to a proof: the harness rejects the rules written
+    without their side condition and accepts them with it; then REFINES, and the twin does not."""
+    _, text = _execute("author_rules.ipynb", tmp_path, monkeypatch)
+    assert "unknown op: refine has no op 'cumprod'" in text
+    assert "UNSOUND (concrete): cumprod-over-cat" in text and "UNSOUND (concrete): slice-into-cumprod" in text
+    assert "concrete: 0 of 2 rules sound and fired" in text and "concrete: 2 of 2 rules sound and fired" in text
+    assert "verdict: REFINES" in text
+    assert "verdict: DOES NOT REFINE" in text and "culprit: cumprod (cumprod)" in text
