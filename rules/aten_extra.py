@@ -1,6 +1,7 @@
 """ATen ops that graphs captured by other tools contain (the external corpus: Megatron GPT
 joint forward/backward graphs, vLLM Qwen2), but that refine's own capture never produces
-(its decompositions expand them first). Each op is named as its aten base name, so
+(its decompositions expand them first), but for embedding_dense_backward, which it keeps
+(its decomposition's clamp and masks would hide the rows a vocab shard accumulates). Each op is named as its aten base name, so
 refine/frontends/capture/aten.py's generic mapping reaches it; semantics are the aten ops' (their
 torch references below call the aten op itself where one exists).
 """
@@ -58,7 +59,8 @@ def _emb_bwd_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
 
 
 def _emb_bwd(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
-    """Every row of grad added at its index (index_put_acc); rows at padding_idx dropped."""
+    """Every row of grad added at its index (acc_rows from row 0, rules/embedding_grad.py);
+    rows at padding_idx dropped."""
     g, idx = args
     assert isinstance(g, str) and isinstance(idx, str)
     if attrs.get("scale_grad_by_freq"):
@@ -69,7 +71,7 @@ def _emb_bwd(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType
         hit = b.emit("eq_t", [idx, b.const(float(pad), it.shape, it.dtype)], {})
         g = b.emit("masked_fill_t", [g, b.broadcast(b.view(hit, it.shape + (1,)), gt.shape, "bool")], {"value": 0.0},
                    gt)
-    return b.emit("index_put_acc", [idx, g], {"shape": out.shape}, out)
+    return b.emit("acc_rows", [idx, g], {"start": 0, "shape": out.shape}, out)
 
 
 def _emb_bwd_ref(g, idx, num_weights, padding_idx=-1, scale_grad_by_freq=False):

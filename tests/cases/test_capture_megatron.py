@@ -235,9 +235,10 @@ def test_vocab_parallel_embedding_forward_refines() -> None:
     assert case.check().verdict == "REFINES"
 
 
-@pytest.mark.xfail(strict=True, reason="the embedding's gradient (a scatter of rows by ids masked to the rank's "
-                                       "vocabulary range) is not yet related to the rows of the sequential one")
-def test_vocab_parallel_embedding_step_refines() -> None:
-    case = capture(_embedding_case(backward=True))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_embedding_step_refines(tp: int) -> None:
+    """The table's gradient: each rank accumulates the masked gradient at its masked ids into
+    its rows (rules/embedding_grad.py), the sequential one is their concat."""
+    case = capture(_embedding_case(backward=True, tp=tp))
     assert wrong_numerically(case) == set()
     assert case.check().verdict == "REFINES"

@@ -34,6 +34,10 @@ from refine.ir.graph import Arg, TensorType, value_class
 DECOMPOSITIONS = core_aten_decompositions()
 # foreach ops: one op per tensor (refine.frontends.capture.foreach)
 DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)
+# kept whole: refine's op (rules/aten_extra.py) accumulates rows the vocab-parallel rules
+# (rules/embedding_grad.py) can window; the decomposition clamps the ids and masks invalid
+# ones, which leaves no rule a form to recognize a rank's share of the table in
+DECOMPOSITIONS.pop(torch.ops.aten.embedding_dense_backward.default, None)
 
 # aten base name -> refine op (same semantics, other name)
 ALIASES: dict[str, str] = {
