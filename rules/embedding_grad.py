@@ -14,7 +14,9 @@ masked gradient at the masked ids into its n rows:
     acc_rows(masked_fill(ids - s, out, 0), masked_fill(g, out, 0), 0, [n, h]),  out = ids < s | ids >= s + n
 
 which is `acc_rows(ids, g, s, [n, h])`: a position outside the window adds zeros to row 0
-(`acc-rows-masked-first` / `-shifted`). Windows meet as concats and slices of rows
+(`acc-rows-masked-first` / `-shifted`). torchtitan's row-wise embedding (DTensor's masked
+partial) clamps `ids - s` into [0, n) and multiplies the gradient by the in-range mask as a
+number: the same window (`acc-rows-clamped-first` / `-shifted`). Windows meet as concats and slices of rows
 (`acc-rows-split-at` at the starts of other windows, `acc-rows-cat`, `slice-acc-rows`), so
 the sequential gradient is the concat of the ranks'.
 Positions split into a sum and trailing dims into a concat, as for index_put_acc (data
@@ -67,8 +69,22 @@ _WINDOW = ["(= e (acc_rows q gv (dim 0) sh))", "(= gv (masked_fill_t v (expand (
            "(= lo (to-f64 (to-i64 lo)))"]
 
 
+# the same accumulation as torchtitan's row-wise embedding writes its lookup (DTensor's
+# masked partial): the ids shifted and clamped into the window, the gradient times the in-range
+# mask as a number
+_IN = "(logical_and_t (ge_t t (full lo si)) (lt_t t (full hi si)))"
+_CLAMPED = ["(= e (acc_rows q gv (dim 0) sh))", "(= q (clamp_t l 0.0 nm1))", "(= nm1 (to-f64 (- (vec-get sh 0) 1)))",
+            f"(= gv (mul_t v (expand (cast_float_t (view {_IN} sm)) sv)))", "(= si (shape t))", "(= sv (shape v))",
+            "(= hi (+ lo (to-f64 (vec-get sh 0))))", "(= lo (to-f64 (to-i64 lo)))"]
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
+        rule("acc-rows-clamped-first", [*_CLAMPED, "(= l t)", "(= lo 0.0)"], ["(union e (acc_rows t v 0 sh))"],
+             symbolic=False),
+        rule("acc-rows-clamped-shifted", [*_CLAMPED, "(= l (Sum (multiset-of t f)))", "(= f (full nlo si))",
+                                          "(= nlo (neg lo))", "(> lo 0.0)"],
+             ["(union e (acc_rows t v (to-i64 lo) sh))"], symbolic=False),
         rule("acc-rows-masked-first", [*_WINDOW, "(= q (masked_fill_t t m 0.0))", "(= lo 0.0)"],
              ["(union e (acc_rows t v 0 sh))"], symbolic=False),
         rule("acc-rows-masked-shifted", [*_WINDOW, "(= q (masked_fill_t l m 0.0))", "(= l (Sum (multiset-of t f)))",
@@ -151,6 +167,13 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             # (a Sum around it: the harness picks a rule's seeds by the ops they hold, and the
             # shifted rule's Sum sits in the defined leaf)
             out.append(Term("Sum", (Term("acc_rows", (q, gv), (0, (n, h))), gen.leaf((n, h)))))
+            # torchtitan's form: clamped ids, the gradient times the in-range mask
+            inside = Term("logical_and_t", (Term("ge_t", (t, full(float(lo), sh))),
+                                            Term("lt_t", (t, full(float(lo + n), sh)))))
+            num = Term("expand", (Term("cast_float_t", (Term("view", (inside,), (sh + (1,),)),)),), (sh + (h,),))
+            clamped = Term("clamp_t", (local,), (0.0, float(n - 1)))
+            gm = Term("mul_t", (gen.leaf(sh + (h,)), num))
+            out.append(Term("Sum", (Term("acc_rows", (clamped, gm), (0, (n, h))), gen.leaf((n, h)))))
         ids = gen.leaf(sh, "i", 2 * n + 1)
         v = gen.leaf(sh + (h,))
         out.append(Term("cat", (Term("acc_rows", (ids, v), (0, (n, h))), Term("acc_rows", (ids, v), (n, (n + 1, h)))),
