@@ -23,11 +23,11 @@ def one(name: str, config: str, bug: str | None) -> dict[str, object]:
     """Capture and check one zoo case in this process; what the table shows of it."""
     sys.path.insert(0, str(ROOT))
     from models.zoo import load
-    from refine import capture
+    from refine.frontends import capture
 
     e = load(name)
     t0 = time.perf_counter()
-    case = capture(e.make_case(config, bug=bug))
+    case = capture.capture(e.make_case(config, bug=bug))
     t1 = time.perf_counter()
     report = case.check()
     t2 = time.perf_counter()
