@@ -91,8 +91,19 @@ OPS = [
 ]
 
 
+# a comparison of a finite constant with itself: true for eq/le/ge, false for ne/lt/gt (NaN,
+# unequal to itself, and infinities are left out by the finiteness conditions)
+SELF_COMPARE = {"eq_t": 1.0, "le_t": 1.0, "ge_t": 1.0, "ne_t": 0.0, "lt_t": 0.0, "gt_t": 0.0}
+FINITE = ("(<= v 1.0e308)", "(>= v -1.0e308)")
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
+        # a mask compared with the fill it was padded with (an ignore_index pad of the labels)
+        # is constant there: counts over a padded target equal counts over the unpadded part
+        *(rewrite(f"{op}-const-self", f"({op} (full v s) (full v s))", f"(full {value} s)", *FINITE)
+          for op, value in SELF_COMPARE.items()),
+        rewrite("rsum-zero", "(rsum (full v s) d)", "(full v (vec-set s d (dim 1)))", "(= v 0.0)"),
         rewrite("slice-arange", "(slice (arange_c s f st) d a z)",
                 "(arange_c (d+ s (d* a (dim st))) (d+ s (d* z (dim st))) st)"),
         # [s, m) then [m, e) is [s, e) when the first range ends on a step
@@ -113,7 +124,8 @@ SAMPLES = {"arange_c": Sample(_arange)}
 
 
 def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
-    """Adjacent ranges (one step apart), concatenated."""
+    """Adjacent ranges (one step apart), concatenated; a constant compared with itself; a sum
+    of zeros."""
     r = gen.rng
     out: list[Term] = []
     for _ in range(gen.instances):
@@ -122,4 +134,7 @@ def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         a1 = Term("arange_c", (), (s0, s0 + n0 * st, st))
         a2 = Term("arange_c", (), (s0 + n0 * st, s0 + (n0 + n1) * st, st))
         out.append(Term("cat", (a1, a2), (0,)))
+        v, shape = r.choice([-100.0, 0.0, 1.5]), (2, r.randint(1, 3))
+        out += [Term(op, (Term("full", (), (v, shape)), Term("full", (), (v, shape)))) for op in SELF_COMPARE]
+        out.append(Term("rsum", (Term("full", (), (0.0, shape)),), (r.randrange(2),)))
     return out

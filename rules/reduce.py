@@ -179,8 +179,9 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("rmean-scale", "(rmean (Scale x r) d)", "(Scale (rmean x d) r)"),
     ]
     # a sum over the first dim of a view that merged x's first two dims is the sum over
-    # both (a 3-d Linear's bias gradient: its [s*b, h] view summed over the tokens)
-    for k in range(1, 4):
+    # both (a 3-d Linear's bias gradient: its [s*b, h] view summed over the tokens; a count
+    # over a flattened [b, t] mask, k = 0)
+    for k in range(0, 4):
         rest = [f"(= (vec-get s {i}) (vec-get (shape x) {i + 1}))" for i in range(1, k + 1)]
         out.append(rewrite(f"rsum-merged-view-{k}", "(rsum (view x s) 0)",
                            "(view (rsum (rsum x 0) 1) (vec-set s 0 (dim 1)))",
@@ -215,7 +216,7 @@ def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     """Sums over a merged first dim, and the helper constructors applied directly."""
     out: list[Term] = []
     for _ in range(gen.instances):
-        for src, v in (((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
+        for src, v in (((2, 3), (6,)), ((2, 3, 4), (6, 4)), ((3, 2, 2, 5), (6, 2, 5)), ((2, 2, 1, 2, 3), (4, 1, 2, 3)),
                        ((2, 3, 4), (3, 2, 4))):
             out.append(Term("rsum", (Term("view", (gen.leaf(src),), (v,)),), (0,)))
         t = gen.leaf((2, 3))

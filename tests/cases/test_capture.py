@@ -401,12 +401,102 @@ def test_a_stale_alias_after_an_in_place_op_is_refused() -> None:
     def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         loss = model(x).sum()
         loss.backward()
-        flat = model.fc.weight.grad.view(-1)
+        row = model.fc.weight.grad[0]
         dist.all_reduce(model.fc.weight.grad)
-        return loss + flat.sum()  # reads the gradient from before the all-reduce
+        return loss + row.sum()  # a part of the storage the all-reduce wrote, viewed before it
 
     with pytest.raises(CaptureError, match="reads afterwards through another alias"):
         capture(spec(lambda r: Lin(), step=step))
+
+
+def test_a_whole_alias_reads_what_a_legacy_collective_wrote() -> None:
+    """A flattened view of a gradient, all-reduced in place, read back through the gradient
+    (Megatron's finalize_model_grads on one sequence-parallel parameter: the flat buffer of a
+    single gradient is a view of it): the gradient holds the reduced values."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4)
+
+    def step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = (model(x) ** 2).sum()
+        loss.backward()
+        for p in model.parameters():
+            flat = p.grad.view(-1)
+            dist.all_reduce(flat)  # the batch is split: the gradients' sum is the whole batch's
+            p.grad.mul_(2.0)  # reads the gradient through its own name after the write to flat
+        dist.all_reduce(loss)
+        return loss
+
+    def seq_step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = (model(x) ** 2).sum()
+        loss.backward()
+        for p in model.parameters():
+            p.grad.mul_(2.0)
+        return loss
+
+    def rank(r: int) -> capture.Step:
+        torch.manual_seed(1)
+        model = Lin()
+        for p in model.parameters():
+            capture.replicate(p)
+        return capture.Step(model, step, {"x": capture.shard(x[2 * r:2 * r + 2].clone(), 0)})
+
+    torch.manual_seed(1)
+    case = capture(capture.Spec(capture.Step(Lin(), seq_step, {"x": x}), rank))
+    reduces = [n for n in case.dist_doc["ranks"][0]["graph"]["nodes"] if n["op"] == "all_reduce"]
+    assert len(reduces) == 3
+    assert wrong_numerically(case) == set()
+    assert case.check().refines
+
+
+def test_a_whole_alias_reads_an_in_place_write_through_a_view() -> None:
+    """`scores.view(...).masked_fill_(mask, v)` then reading `scores` again (Megatron's
+    attention mask function): the read sees the masked values; an out= op writing its input
+    (`torch.exp(x, out=x)`, Megatron's cross-entropy) is the op."""
+
+    def masked(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = model(x) * 2
+        s.view(4, 2).masked_fill_(torch.tensor([[True, False]] * 4), -3.0)
+        with torch.no_grad():  # out= ops do not differentiate (Megatron's run in a Function's forward)
+            e = x * 1.0
+            torch.exp(e, out=e)
+        loss = (s.view(2, 4) * e).sum()
+        loss.backward()
+        return loss
+
+    def plain(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        s = (model(x) * 2).view(4, 2).masked_fill(torch.tensor([[True, False]] * 4), -3.0).view(2, 4)
+        loss = (s * x.exp()).sum()
+        loss.backward()
+        return loss
+
+    case = capture(spec(lambda r: Lin(), step=masked, seq_step=plain))
+    assert wrong_numerically(case) == set()
+    assert case.check().refines
+
+
+def test_a_decrement_at_distinct_positions_is_an_accumulation() -> None:
+    """`g[arange(n), t] -= u` (Megatron's cross-entropy backward) writes each row once, so
+    refine takes it as the accumulation of -u; at positions that may repeat it is refused
+    (an unspecified write wins)."""
+    t = torch.tensor([1, 3])
+
+    def step(distinct: bool) -> Any:
+        def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            g = model(x) * 1.0
+            rows = torch.arange(2) if distinct else torch.zeros(2, dtype=torch.long)
+            g[rows, t] -= x[:, 0]
+            loss = g.sum()
+            loss.backward()
+            return loss
+        return run
+
+    # the captured sequential graph is replayed against the eager step: a wrong translation fails
+    case = capture(spec(lambda r: Lin(), step=step(True), seq_step=step(True)))
+    puts = [n for n in case.seq_doc["graph"]["nodes"] if n["op"] == "index_put"]
+    assert puts and all(n["attrs"].get("accumulate") for n in puts)
+    assert case.check().refines
+    with pytest.raises(Exception, match="index_put with accumulate=False"):
+        capture(spec(lambda r: Lin(), step=step(False), seq_step=step(False))).check()
 
 
 def test_an_in_place_write_through_another_name_is_followed() -> None:

@@ -146,3 +146,35 @@ def test_a_masked_nll_divided_by_each_micro_batchs_count_does_not_refine() -> No
     case = capture(make_micro_case(local_count=True))
     assert "loss" in wrong_numerically(case)
     assert case.check().verdict == "DOES NOT REFINE"
+
+
+# ---------------------------------------------------------------------------------------
+# a causal-LM count: the sequential loss counts its targets as transformers' ForCausalLMLoss
+# sees them (the labels padded with the ignore index, shifted, flattened); the training loop
+# counts the targets of labels[:, 1:]
+
+
+def padded_count_seq_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    loss = summed_loss(model, ids, labels) / (targets != IGNORE).sum()
+    loss.backward()
+    return loss
+
+
+def shifted_count_rank_step(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    n = (labels[:, 1:] != IGNORE).sum()  # the padded end is never a target
+    dist.all_reduce(n)
+    loss = summed_loss(model, ids, labels) / n
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    dist.all_reduce(loss)
+    return loss
+
+
+def test_a_count_over_the_unpadded_labels_is_the_count_over_the_padded_ones() -> None:
+    """A comparison of the pad with the ignore index is constant (rules/constants.py) and a
+    count over a flattened mask is the count over the mask (rules/reduce.py)."""
+    case = capture(_spec(padded_count_seq_step, shifted_count_rank_step, "padded_count"))
+    assert wrong_numerically(case) == set()
+    assert case.check().verdict == "REFINES"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -242,3 +243,177 @@ def test_vocab_parallel_embedding_step_refines(tp: int) -> None:
     case = capture(_embedding_case(backward=True, tp=tp))
     assert wrong_numerically(case) == set()
     assert case.check().verdict == "REFINES"
+
+
+# ---------------------------------------------------------------------------------------
+# one sequence-parallel parameter: finalize_model_grads all-reduces the flat buffer of its one
+# gradient, a view of that gradient, in place, and copies it back through the gradient
+
+
+def _one_sp_param_case() -> capture.Spec:
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        reduce_from_tensor_model_parallel_region,
+    )
+    from megatron.core.transformer import TransformerConfig
+    from torch import nn
+
+    S, B, H, FFN = 8, 2, 16, 32
+
+    class Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(H, bias=False)
+            self.fc1, self.fc2 = nn.Linear(H, FFN, bias=False), nn.Linear(FFN, H, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+    def init(full: torch.Tensor) -> Any:
+        def copy(w: torch.Tensor) -> None:
+            with torch.no_grad():
+                w.copy_(full)
+        return copy
+
+    class Rank(nn.Module):
+        def __init__(self, seq: Seq, config: TransformerConfig) -> None:
+            super().__init__()
+            self.config = config
+            self.ln = nn.LayerNorm(H, bias=False)  # the one parameter marked sequence_parallel
+            self.ln.load_state_dict(seq.ln.state_dict())
+            self.ln.weight.sequence_parallel = True
+            self.fc1 = ColumnParallelLinear(H, FFN, config=config, init_method=init(seq.fc1.weight), bias=False,
+                                            gather_output=False)
+            self.fc2 = RowParallelLinear(FFN, H, config=config, init_method=init(seq.fc2.weight), bias=False,
+                                         input_is_parallel=True, skip_bias_add=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, _ = self.fc1(self.ln(x))
+            y, _ = self.fc2(F.gelu(h))
+            return y
+
+    def seq_step(m: nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(m(x), t)
+        loss.backward()
+        return loss
+
+    def rank_step(m: nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        group = parallel_state.get_tensor_model_parallel_group()
+        loss = reduce_from_tensor_model_parallel_region(F.mse_loss(m(x), t, reduction="sum"), group=group)
+        loss = loss / (S * B * H)
+        loss.backward()
+        megatron.finalize_model_grads(m)
+        return loss
+
+    torch.manual_seed(0)
+    seq = Seq()
+    x, t = torch.randn(S, B, H), torch.randn(S, B, H)
+
+    def rank(r: int) -> capture.Step:
+        config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=FFN, num_attention_heads=2,
+                                   tensor_model_parallel_size=2, sequence_parallel=True, use_cpu_initialization=True)
+        inputs = {k: capture.shard(v.chunk(2)[r].clone(), 0, axis="tp") for k, v in (("x", x), ("t", t))}
+        return megatron.rank_step(lambda: Rank(seq, config), rank_step, inputs, tp=2)
+
+    return capture.Spec(capture.Step(seq, seq_step, {"x": x, "t": t}), rank, world_size=2, mesh={"tp": 2},
+                        name="megatron_one_sp_param")
+
+
+def test_finalize_model_grads_of_one_sequence_parallel_parameter_refines() -> None:
+    case = capture(_one_sp_param_case())
+    assert wrong_numerically(case) == set()
+    assert case.check().refines
+
+
+# ---------------------------------------------------------------------------------------
+# megatron-core's GPTModel (local layer spec) with its own vocab_parallel_cross_entropy and
+# finalize_model_grads, against the same GPTModel at TP 1 (megatron.sequential_step): it
+# captures (in-place writes through views, out= ops, one-rank collectives, a decrement at
+# distinct positions) and the numbers agree; the proof does not go through yet
+
+
+def _gpt_case(tp: int = 2, sequence_parallel: bool = True, norm_mark: str = "sequence_parallel") -> capture.Spec:
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from torch import nn
+
+    S, B, H, V = 8, 2, 32, 64
+
+    class LayerNorm(nn.LayerNorm):
+        """Without apex or TE Megatron's local spec has no norm for sequence parallelism: torch's,
+        its parameters marked as Megatron's norms mark them."""
+
+        def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+            super().__init__(hidden_size, eps=eps)
+            for p in self.parameters():
+                setattr(p, norm_mark, config.sequence_parallel)
+
+    def build(tp: int, sp: bool) -> nn.Module:
+        torch.manual_seed(0)  # every TP size builds the same full weights
+        config = TransformerConfig(num_layers=2, hidden_size=H, ffn_hidden_size=4 * H, num_attention_heads=4,
+                                   tensor_model_parallel_size=tp, sequence_parallel=sp, use_cpu_initialization=True,
+                                   hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False,
+                                   gradient_accumulation_fusion=False, masked_softmax_fusion=False)
+        layer = get_gpt_layer_local_spec()
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = LayerNorm
+        block = TransformerBlockSubmodules(layer_specs=[layer] * 2, layer_norm=LayerNorm)
+        return GPTModel(config, block, vocab_size=V, max_sequence_length=S, position_embedding_type="rope")
+
+    def train_step(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
+                   loss_mask: torch.Tensor) -> torch.Tensor:
+        losses = model(ids, pos, mask, labels=labels)  # vocab_parallel_cross_entropy, [b, s]
+        loss = (losses * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        megatron.finalize_model_grads(model)
+        return loss
+
+    def reference_step(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                       labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        logits = model(ids, pos, mask)  # [b, s, v]
+        losses = -F.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        loss = (losses * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        return loss
+
+    torch.manual_seed(1)
+    ids = torch.randint(0, V, (B, S))
+    loss_mask = torch.ones(B, S)
+    loss_mask[:, -1] = 0.0
+    inputs = {"ids": ids, "pos": torch.arange(S).expand(B, S).clone(), "mask": torch.tril(torch.ones(1, 1, S, S)) < 0.5,
+              "labels": torch.roll(ids, -1, dims=1), "loss_mask": loss_mask}
+
+    def rank(r: int) -> capture.Step:
+        local = {k: capture.replicate(v.clone(), axis="tp") for k, v in inputs.items()}
+        return megatron.rank_step(lambda: build(tp, sequence_parallel), train_step, local, tp=tp)
+
+    return capture.Spec(lambda: megatron.sequential_step(lambda: build(1, False), reference_step, inputs), rank,
+                        world_size=tp, mesh={"tp": tp}, name="megatron_gpt")
+
+
+GPT_NORMS = {f"decoder.layers.{i}.{n}.{p}.grad" for i in range(2) for n in ("input_layernorm", "pre_mlp_layernorm")
+             for p in ("weight", "bias")} | {f"decoder.final_layernorm.{p}.grad" for p in ("weight", "bias")}
+
+
+@pytest.mark.slow
+def test_megatron_gpt_with_its_own_cross_entropy_captures_and_agrees() -> None:
+    case = capture(_gpt_case())
+    ops = {n["op"] for n in case.seq_doc["graph"]["nodes"]}
+    assert not ops & {"all_reduce", "all_gather", "reduce_scatter"}  # TP 1's collectives are over one rank
+    assert wrong_numerically(case) == set()
+    # apex's attribute name on the norms: finalize_model_grads leaves their gradients partial
+    assert wrong_numerically(capture(_gpt_case(norm_mark="sequence_parallel_enabled"))) == GPT_NORMS
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="UNPROVEN: the sequential log-softmax over the logits GPTModel hands back "
+                                       "transposed ([b, s, v]) finds no clean relation to the ranks' vocab-parallel "
+                                       "max/exp/sum over their [s, b, v/tp] pieces (no rule moves a reduction or an "
+                                       "elementwise op through a transpose)")
+def test_megatron_gpt_with_its_own_cross_entropy_refines() -> None:
+    assert capture(_gpt_case()).check().refines

@@ -271,21 +271,73 @@ def _masked_put(em: EmitterAPI, x: Arg, indices: list[Any], values: Any, accumul
     return em.emit("add", [x, em.emit("where", [full_mask, spread, zero], {}, final=False, suffix="mask_w")], {})
 
 
+_ARANGES = ("arange.default", "arange.start", "arange.start_step")
+
+
+def _distinct_positions(em: EmitterAPI, indices: list[Any]) -> bool:
+    """Whether the index tuples of an advanced indexing are pairwise distinct whatever the
+    index values: one index tensor is an `arange` (distinct values, step != 0) as large as
+    all the indices broadcast together, so no two positions share its value."""
+    nodes = [t for t in indices if t is not None]
+    shapes = [tuple(em.type(em.value(t)).shape) for t in nodes]
+    bshape = tuple(torch.broadcast_shapes(*shapes))
+    for t, shape in zip(nodes, shapes, strict=True):
+        target = getattr(t, "target", None)
+        if not isinstance(target, torch._ops.OpOverload) or f"{target._opname}.{target._overloadname}" not in _ARANGES:
+            continue
+        step = t.kwargs.get("step", t.args[2] if len(t.args) > 2 else 1)
+        if len(shape) == 1 and shape == bshape and isinstance(step, (int, float)) and step != 0:
+            return True
+    return False
+
+
+def _read_modify_write(node: Any, a: dict[str, Any]) -> tuple[Any, float] | None:
+    """`x[idx] += w` / `x[idx] -= w` as torch traces it, index_put(x, idx, x[idx] ± w) with
+    the same x and idx: (w, ±1); None for any other values."""
+    v = a["values"]
+    target = getattr(v, "target", None)
+    adds, subs = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor), (torch.ops.aten.sub.Tensor, torch.ops.aten.sub_.Tensor)
+    if target not in adds + subs or v.kwargs.get("alpha", 1) != 1:
+        return None
+    picked, w = v.args[0], v.args[1]
+    if getattr(picked, "target", None) is not torch.ops.aten.index.Tensor or picked.args[0] is not a["self"] or \
+            list(picked.args[1]) != list(a["indices"]):
+        return None
+    return w, (1.0 if target in adds else -1.0)
+
+
 def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """index_put(self, indices, values, accumulate): refine's index_put over dim 0 of the
     indexed dims merged (_Rows), values laid out as the rows the lookup would pick, the
-    result's dims moved back."""
+    result's dims moved back.
+
+    Without accumulation refine takes a write at pairwise distinct positions (one index an
+    arange: Megatron's vocab-parallel cross-entropy backward, `grad_2d[arange, target] -=
+    update`): each position is written once, so it is x plus the accumulation of the change
+    there (±w for `x[idx] ±= w`, else the new values minus the old)."""
     x = em.value(a["self"])
     masked = _masked_put(em, x, list(a["indices"]), a["values"], bool(a.get("accumulate", False)))
     if masked is not None:
         return masked
     rows = _Rows(em, x, list(a["indices"]))  # type: ignore[arg-type]
     acc = {"accumulate": bool(a.get("accumulate", False))}
-    if rows.dims == [0]:
-        return em.emit("index_put", [x, rows.flat, em.value(a["values"])], acc)
+    v = em.value(a["values"])
     picked = list(rows.bshape) + [rows.shape[d] for d in rows.others]
     seen = picked if rows.back is None else [picked[i] for i in rows.back]  # x[indices]'s shape
-    v = em.value(a["values"])
+    if not acc["accumulate"] and _distinct_positions(em, list(a["indices"])):
+        # each position written once: x + the accumulation of (new - old) there
+        rmw = _read_modify_write(node, a)
+        w = em.value(rmw[0]) if rmw is not None else None
+        if rmw is not None and isinstance(w, str):  # x[idx] +-= w: the change is +-w
+            v = w if rmw[1] > 0 else em.emit("neg", [w], {}, final=False, suffix="index_neg")
+        else:
+            old = em.emit("index_rows", [rows.table, rows.flat], {}, final=False, suffix="index_old")
+            if rows.back is not None:
+                old = em.emit("permute", [old], {"dims": rows.back}, final=False, suffix="index_oldp")
+            v = em.emit("sub", [v, old], {}, final=False, suffix="index_new")
+        acc = {"accumulate": True}
+    if rows.dims == [0]:
+        return em.emit("index_put", [x, rows.flat, v], acc)
     if em.type(v).shape != tuple(seen):
         v = em.emit("expand_as_shape", [v], {"shape": seen}, final=False, suffix="index_v")
     if rows.back is not None:  # into the picked rows' layout

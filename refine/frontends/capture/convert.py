@@ -57,6 +57,19 @@ def _is_inplace(target: Any) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
+def _is_out(arg: Any) -> bool:
+    """An `out=` argument of an out variant (`torch.exp(x, out=y)`): written, keyword-only."""
+    return arg.kwarg_only and arg.alias_info is not None and arg.alias_info.is_write
+
+
+def _returns_out(target: Any) -> bool:
+    """An out variant with one `out=` tensor, whose result is that tensor's new value: it
+    computes the functional op and writes it there, like an in-place op on `out`."""
+    schema = target._schema
+    outs = [a for a in schema.arguments if _is_out(a)]
+    return len(outs) == 1 and len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+
+
 class Emitter:
     def __init__(self, registry: Registry, traced: Traced, where: str) -> None:
         self.registry, self.traced, self.gm, self.where = registry, traced, traced.gm, where
@@ -304,9 +317,11 @@ class Emitter:
         renames = aten.ATTR_ALIASES.get(op, {})
         args: list[Arg] = []
         attrs: dict[str, Any] = {}
+        if any(_is_out(arg) for arg in n.target._schema.arguments) and not _returns_out(n.target):  # type: ignore[union-attr]
+            raise self.fail("an out variant writing several tensors: refine translates one written with out=")
         for arg in n.target._schema.arguments:  # type: ignore[union-attr]
             v = a[arg.name]
-            if arg.name in aten.IGNORED:
+            if arg.name in aten.IGNORED or _is_out(arg):  # the result is the value out= receives
                 continue
             key = renames.get(arg.name, arg.name)
             default = arg.default_value if arg.has_default_value() else ...
@@ -333,7 +348,15 @@ class Emitter:
             from torch.distributed.distributed_c10d import _resolve_process_group
 
             pg = _resolve_process_group(g)
-        return [int(r) for r in dist.get_process_group_ranks(pg)]
+        try:
+            return [int(r) for r in dist.get_process_group_ranks(pg)]
+        except (KeyError, ValueError, RuntimeError):
+            # a group the step destroyed before conversion (a sequential model run in a
+            # process group of its own, Megatron at TP 1): only its size is left; one rank is
+            # enough to know (its collectives are identities, _collective)
+            if pg.size() == 1:
+                return [0]
+            raise self.fail(f"a collective over a process group of {pg.size()} ranks that no longer exists") from None
 
     def _reduce_op(self, r: Any) -> str:
         if isinstance(r, fx.Node):
@@ -360,6 +383,10 @@ class Emitter:
             if path:
                 raise self.fail(f"output {list(path)} of a collective with one output")
             x, group = a["input"], self._group(a["group_name"])
+        if len(group) == 1:  # over one rank every collective gives back its input
+            if op == "all_reduce":
+                self._reduce_op(a["reduce_op"])  # refused as for any group if refine has no such reduction
+            return self.value(x)
         attrs: dict[str, Any] = {}
         if op in ("all_reduce", "reduce_scatter"):
             attrs["reduce_op"] = self._reduce_op(a["reduce_op"])
@@ -425,17 +452,67 @@ class Emitter:
 _SAME_TENSOR = ("aten::alias", "aten::detach")  # another name for the same view of a storage
 
 
+def _whole_in_order(n: fx.Node) -> bool:
+    """Whether n's tensor is its whole storage in row-major order (contiguous, offset 0,
+    every element of the storage): two such aliases of one storage hold the same elements in
+    the same order, whatever their shapes."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor) or not v.is_contiguous() or v.storage_offset() != 0:
+        return False
+    try:
+        return v.untyped_storage().nbytes() == v.numel() * v.element_size()
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
+LEGACY = "legacy"  # a legacy collective's written tensor: its new value is output (0, 0)
+
+
+def _written_value(graph: fx.Graph, m: fx.Node, returns: bool | str) -> fx.Node | None:
+    """The node holding the value in-place op m wrote: m itself, or for a legacy collective
+    over one tensor (`dist.all_reduce(t)`: ([t], work)) its first output's first tensor."""
+    if returns is True:
+        return m
+    if returns != LEGACY:
+        return None
+    for u in m.users:  # the trace's own getitems, when the result is read
+        if u.target is operator.getitem and u.args[1] == 0:
+            for w in u.users:
+                if w.target is operator.getitem and w.args[1] == 0:
+                    return w
+    return None
+
+
+def _reshaped_after(graph: fx.Graph, value: fx.Node, inp: fx.Node,
+                    made: dict[tuple[fx.Node, fx.Node], fx.Node]) -> fx.Node:
+    """The value of alias `inp` after an in-place op wrote `value` over its whole storage in
+    order: `value` viewed as inp's shape (functionalization's replay of a view, for views that
+    keep the storage's order)."""
+    key = (value, inp)
+    if key not in made:
+        with graph.inserting_after(value):
+            node = graph.call_function(torch.ops.aten.view.default, (value, list(inp.meta["val"].shape)))
+        node.meta = {**value.meta, "val": value.meta["val"].view(inp.meta["val"].shape)}
+        made[key] = node
+    return made[key]
+
+
 def check_mutations(traced: Traced, where: str) -> None:
     """Tracing gives a mutated tensor's later readers the in-place op's result, but a reader
     holding another alias of it (a view taken before) would read a stale value. A reader
     holding the very tensor that was written, under another name (`alias`/`detach` of it,
     e.g. `p.grad.data`), reads exactly the in-place op's result: it is rewired to read that.
-    Any other stale reader (another slice or view of the storage) is refused."""
+    A reader holding another alias that, like the written tensor, covers its whole storage in
+    row-major order (a flattened gradient, `scores.view(...)` of a masked_fill_) reads the
+    written value viewed as its shape; this holds for a legacy collective over one tensor
+    too (Megatron's all-reduce of one parameter's flattened gradient). Any other stale
+    reader (a slice, a permuted view) is refused."""
     nodes = list(traced.gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     storage: dict[fx.Node, fx.Node] = {}
     same: dict[fx.Node, fx.Node] = {}  # the tensor a node is another name of (alias, detach, in-place)
-    mutations: list[tuple[fx.Node, fx.Node, bool]] = []  # (op, mutated tensor, op returns its new value)
+    # (op, mutated tensor, whether the op returns its new value: True, False or LEGACY)
+    mutations: list[tuple[fx.Node, fx.Node, bool | str]] = []
     for n in nodes:
         storage[n], same[n] = n, n
         if n.op != "call_function":
@@ -457,14 +534,16 @@ def check_mutations(traced: Traced, where: str) -> None:
             continue
         if schema.name in aten.LEGACY_COLLECTIVES:
             written = a["tensors"] if a.get("tensors") is not None else [a["output_tensor"]]
-            mutations += [(n, w, False) for w in written if isinstance(w, fx.Node)]
+            one = a.get("tensors") is not None and len(written) == 1
+            mutations += [(n, w, LEGACY if one else False) for w in written if isinstance(w, fx.Node)]
             if isinstance(written[0], fx.Node):
                 storage[n] = storage[written[0]]
             continue
         inplace = _is_inplace(n.target)
         for arg in schema.arguments:
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), fx.Node):
-                mutations.append((n, a[arg.name], inplace and arg is schema.arguments[0]))
+                returns = (inplace and arg is schema.arguments[0]) or (_is_out(arg) and _returns_out(n.target))
+                mutations.append((n, a[arg.name], returns))
             elif arg.alias_info is not None and arg.alias_info.is_write and isinstance(a.get(arg.name), (list, tuple)):
                 # a list op writing in place (a foreach op refine.frontends.capture.foreach does not
                 # expand) returns no tensor to rewire readers to: any later read is stale
@@ -476,9 +555,10 @@ def check_mutations(traced: Traced, where: str) -> None:
                 if arg.alias_info is not None and isinstance(v, fx.Node) and \
                         set(arg.alias_info.before_set) & set(ret.before_set):
                     storage[n] = storage[v]
-                    if inplace or schema.name in _SAME_TENSOR:
+                    if inplace or schema.name in _SAME_TENSOR or (_is_out(arg) and _returns_out(n.target)):
                         same[n] = same[v]
                     break
+    replayed: dict[tuple[fx.Node, fx.Node], fx.Node] = {}
     for m, x, returns_value in mutations:
         p = pos[m]
         root = storage[x]
@@ -494,8 +574,16 @@ def check_mutations(traced: Traced, where: str) -> None:
         for u in nodes[p + 1:]:
             for inp in u.all_input_nodes:
                 if pos[inp] < p and storage.get(inp) is storage[x]:
-                    if returns_value and same[inp] is same[x]:
+                    if returns_value is True and same[inp] is same[x]:
                         u.replace_input_with(inp, m)  # that tensor's value after the write
+                        continue
+                    value = _written_value(traced.gm.graph, m, returns_value)
+                    if value is not None and all(map(_whole_in_order, (inp, x, root))):
+                        view = _reshaped_after(traced.gm.graph, value, inp, replayed)
+                        # a later write to the storage makes this view stale like any alias
+                        pos.setdefault(view, pos[value] if value in pos else p)
+                        storage[view], same[view] = storage[x], view
+                        u.replace_input_with(inp, view)
                         continue
                     raise CaptureError(
                         f"{where}: in-place {m.target} (FX node {m.name!r}, at {source_of(m)}) changes a tensor that "

@@ -155,13 +155,25 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = N
         m.tp_plan = dict(plan)  # type: ignore[assignment]
     elif not m.tp_plan:
         raise CaptureError(f"{type(model).__name__} has no tensor-parallel plan (tp_plan)")
+    tied = _shared_parameters(m)
     apply_tensor_parallelism(m, mesh)
+    if tied:
+        # sharding a parameter replaces it per module, which unties tied weights (an embedding
+        # and lm_head); transformers' from_pretrained ties them again after distributing
+        m.tie_weights()  # type: ignore[operator]
+        if _shared_parameters(m) != tied:
+            raise CaptureError(f"{type(model).__name__}'s tied parameters {sorted(map(sorted, tied))} are not tied "
+                               "after tensor parallelism (tie_weights)")
+    locals_: dict[int, nn.Parameter] = {}  # one local leaf per (shared) DTensor parameter
     for module in m.modules():
         found: dict[str, tuple[Any, ...]] = {}
         for name, p in list(module.named_parameters(recurse=False)):
             if isinstance(p, DTensor):
-                local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
-                _placement_annotation(local, tuple(p.placements), axis)
+                local = locals_.get(id(p))
+                if local is None:
+                    local = nn.Parameter(p.to_local().detach().clone(), requires_grad=p.requires_grad)
+                    _placement_annotation(local, tuple(p.placements), axis)
+                    locals_[id(p)] = local
                 module._parameters[name] = local
                 found[name] = tuple(p.placements)
             else:  # no plan entry: transformers keeps it whole on every rank
@@ -171,6 +183,14 @@ def tensor_parallel(model: nn.Module, mesh: Any, plan: dict[str, str] | None = N
         if found:
             _LocalParams(module, p.device_mesh, found).install()  # type: ignore[union-attr]
     return m
+
+
+def _shared_parameters(model: nn.Module) -> set[frozenset[str]]:
+    """The groups of parameter names that are one parameter (tied weights)."""
+    names: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+    return {frozenset(g) for g in names.values() if len(g) > 1}
 
 
 

@@ -13,6 +13,8 @@ Everything refine needs to trace Megatron code lives here, so a case only writes
 - `cpu_device()`: the patches Megatron needs to run without a GPU (why: on each one);
 - `rank_step(...)`: a refine Step that builds the model under that state and traces the step
   under it again (Megatron reads its groups and buffers from globals at run time);
+- `sequential_step(...)`: the sequential Step of a Megatron model run unparallelized (TP 1,
+  in a process group of one rank);
 - `finalize_model_grads(model)`: Megatron's own `finalize_model_grads` for a model that is
   not wrapped in Megatron's DistributedDataParallel;
 - `register(axis)`: input relations derived from Megatron's parameter attributes
@@ -57,7 +59,7 @@ from torch import nn
 
 from refine.frontends.capture.annotate import DERIVERS, Annotation
 from refine.frontends.capture.errors import CaptureError
-from refine.frontends.capture.trace import Step
+from refine.frontends.capture.trace import Step, fake_process_group
 
 # The attributes Megatron sets on parameters (tensor_parallel.layers and the norms):
 # split or not, along which dim, with which stride; reduced over TP after backward (SP).
@@ -214,6 +216,23 @@ def rank_step(build: Callable[[], nn.Module], step: Callable[..., torch.Tensor],
     def megatron_step(m: nn.Module, **kw: torch.Tensor) -> torch.Tensor:
         with parallel_state(tp):
             _copy_marks(originals, m)
+            return step(m, **kw)
+
+    return Step(model, megatron_step, inputs)
+
+
+def sequential_step(build: Callable[[], nn.Module], step: Callable[..., torch.Tensor],
+                    inputs: dict[str, torch.Tensor]) -> Step:
+    """The Step of the sequential model as Megatron itself runs it unparallelized: built and
+    traced in a process group of one rank with tensor-parallel size 1 (Megatron's layers
+    need its parallel state even then), for `Spec.sequential`. Megatron skips most of its
+    communication at TP 1; what it still calls (vocab_parallel_cross_entropy's all-reduces)
+    is over one rank, which capture translates as the identity."""
+    with fake_process_group(0, 1), parallel_state(1):
+        model = build()
+
+    def megatron_step(m: nn.Module, **kw: torch.Tensor) -> torch.Tensor:
+        with fake_process_group(0, 1), parallel_state(1):
             return step(m, **kw)
 
     return Step(model, megatron_step, inputs)
