@@ -88,10 +88,7 @@ def _plan(model: nn.Module, bug: str | None) -> dict[str, str] | None:
 def make_case(config: str, bug: str | None = None) -> capture.Spec:
     from transformers import LlamaForCausalLM
 
-    if config not in PROGRAM.configs:
-        raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(PROGRAM.configs)})")
-    if bug is not None and PROGRAM.bugs[bug].config != config:
-        raise ValueError(f"bug {bug!r} is built in configuration {PROGRAM.bugs[bug].config!r}")
+    PROGRAM.validate(config, bug)
     tp = 4 if config == "tp4" else 2
     torch.manual_seed(0)
     seq = LlamaForCausalLM(llama_config(tied=config == "tp2_tied"))
