@@ -33,7 +33,8 @@ def _texts(outputs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _execute(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, Any]], str]:
+def _execute(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             timeout: int = 120) -> tuple[list[dict[str, Any]], str]:
     """Run notebooks/<name> in a kernel of this interpreter: its code cells' outputs, and their text."""
     spec = tmp_path / "kernels" / KERNEL
     spec.mkdir(parents=True)
@@ -49,7 +50,7 @@ def _execute(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tupl
         "commit the notebook with its outputs cleared"
     nb.cells.insert(0, nbformat.v4.new_code_cell("import sys, refine\nprint('KERNEL-PREFIX', sys.prefix)"))
 
-    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=120,
+    client = nbclient.NotebookClient(nb, kernel_name=KERNEL, timeout=timeout,
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
     client.execute()  # raises CellExecutionError on the first failing cell
 
@@ -78,3 +79,16 @@ def test_author_rules_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert "concrete: 0 of 2 rules sound and fired" in text and "concrete: 2 of 2 rules sound and fired" in text
     assert "verdict: REFINES" in text
     assert "verdict: DOES NOT REFINE" in text and "culprit: cumprod (cumprod)" in text
+
+
+@pytest.mark.slow
+def test_zoo_bug_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zoo program's bug (transformers' Llama, o_proj left Partial by a plan entry) localized
+    at the residual add, with the counterexample and the drawing; the program as written refines."""
+    pytest.importorskip("transformers")
+    outputs, text = _execute("zoo_bug.ipynb", tmp_path, monkeypatch, timeout=900)
+    assert "verdict: DOES NOT REFINE" in text and "rank line: modeling_llama.py:" in text
+    assert "hidden_states = residual + hidden_states" in text  # the line's text, shown
+    assert "counterexample (seed" in text and "WRONG" in text
+    assert "verdict: REFINES" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no figure was drawn"
