@@ -275,8 +275,14 @@ def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     masked = _masked_put(em, x, list(a["indices"]), a["values"], bool(a.get("accumulate", False)))
     if masked is not None:
         return masked
+    if not a.get("accumulate", False):
+        # refine's index_put accumulates: writes by integer indices leave an unspecified
+        # winner where indices repeat, so they are refused here, at the program's line
+        raise em.fail("index_put by integer indices without accumulate (`x[idx] = v`): where indices repeat the "
+                      "value written is unspecified, and refine lowers only the accumulating form "
+                      "(`x.index_put_(idx, v, accumulate=True)`, `index_add_`)")
     rows = _Rows(em, x, list(a["indices"]))  # type: ignore[arg-type]
-    acc = {"accumulate": bool(a.get("accumulate", False))}
+    acc = {"accumulate": True}
     if rows.dims == [0]:
         return em.emit("index_put", [x, rows.flat, em.value(a["values"])], acc)
     picked = list(rows.bshape) + [rows.shape[d] for d in rows.others]
