@@ -20,11 +20,11 @@ V, H, T = 16, 4, 6
 
 
 class Lookup(nn.Module):
-    """A (frozen) table, then a trained linear layer."""
+    """A table, then a linear layer, both trained."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = nn.Parameter(torch.randn(V, H), requires_grad=False)
+        self.table = nn.Parameter(torch.randn(V, H))
         self.fc = nn.Linear(H, H)
 
 
@@ -32,6 +32,18 @@ def seq_step(model: Lookup, ids: torch.Tensor, target: torch.Tensor) -> torch.Te
     loss = F.mse_loss(model.fc(F.embedding(ids, model.table)), target)
     loss.backward()
     return loss
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The ranks' pieces summed; each piece's gradient is the sum's (Megatron's reduce region)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g
 
 
 def clamped_lookup(table: torch.Tensor, ids: torch.Tensor, off_by_one: bool = False) -> torch.Tensor:
@@ -42,7 +54,7 @@ def clamped_lookup(table: torch.Tensor, ids: torch.Tensor, off_by_one: bool = Fa
     hi = lo + n + (1 if off_by_one else 0)  # the twin: one id past the rank's rows counts as its own
     inside = (ids >= lo) & (ids < hi)
     out = F.embedding((ids - lo).clamp(0, n - 1), table) * inside.unsqueeze(-1).to(table.dtype)
-    return funcol.all_reduce(out, "sum", dist.group.WORLD)
+    return _SumOverRanks.apply(out)
 
 
 def make_lookup_case(world_size: int, off_by_one: bool = False) -> capture.Spec:
@@ -59,7 +71,7 @@ def make_lookup_case(world_size: int, off_by_one: bool = False) -> capture.Spec:
         model = Lookup()
         model.load_state_dict(seq.state_dict())
         rows = V // world_size
-        model.table = nn.Parameter(seq.table[r * rows:(r + 1) * rows].clone(), requires_grad=False)
+        model.table = nn.Parameter(seq.table[r * rows:(r + 1) * rows].detach().clone())
         capture.shard(model.table, 0)
         for name in ("fc.weight", "fc.bias", "ids", "target"):
             capture.replicate(name)
@@ -71,8 +83,12 @@ def make_lookup_case(world_size: int, off_by_one: bool = False) -> capture.Spec:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_clamped_vocab_parallel_lookup_refines(world_size: int) -> None:
+    """The lookup and the table's gradient (each rank's rows of torch's embedding backward of
+    its own lookup) both relate: the gradient is the concat of the ranks'."""
     report = capture(make_lookup_case(world_size)).check()
     assert report.verdict == "REFINES", report
+    grad = next(o for o in report.outputs if o.name == "table.grad")
+    assert grad.relation.startswith("cat("), grad.relation
 
 
 def test_clamped_lookup_with_a_wrong_bound_does_not_refine() -> None:
