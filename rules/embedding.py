@@ -12,11 +12,12 @@ zeroed, the ids clamped into [-V, V), an accumulating index_put), is `EmbGradRow
 computes the backward of its own lookup: with torchtitan's clamped ids and in-range mask as
 a number, `EmbGradRows(clamp(ids - s, 0, n - 1), g * in, 0, n)`, which is `EmbGradRows(ids,
 g, s, n)`; adjacent row ranges of one accumulation concatenate, so the sequential gradient
-is the concat of the ranks'. Concrete sizes only, a padding index < 0 (none) only.
+is the concat of the ranks'. It is linear in g (a scaled gradient scales it). Concrete sizes only, a padding index < 0 (none) only.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 from refine.ir.graph import TensorType
@@ -93,8 +94,11 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("emb-grad-piece-shifted", [*_PIECE, "(= x (Sum (multiset-of ids f)))", "(= f (full nlo si))", "(= nlo (neg lo))",
                                         "(> lo 0.0)", "(= lo (to-f64 (to-i64 lo)))"],
              ["(union e (EmbGradRows ids g (to-i64 lo) n))"], symbolic=False),
-        rule("emb-grad-rows-cat", ["(= a (EmbGradRows ids g s n1))", "(= b (EmbGradRows ids g (+ s n1) n2))"],
-             ["(union (EmbGradRows ids g s (+ n1 n2)) (cat a b 0))"], symbolic=False),
+        rule("emb-grad-rows-cat", ["(= a (EmbGradRows ids g s n1))", "(= b (EmbGradRows ids g s2 n2))",
+                                   "(= s2 (d+ s n1))"],
+             ["(union (EmbGradRows ids g s (d+ n1 n2)) (cat a b 0))"]),
+        # linear in the gradient: a gradient off by a factor (a bug's) stays related, scaled
+        rewrite("emb-grad-rows-scale", "(EmbGradRows i (Scale g r) s n)", "(Scale (EmbGradRows i g s n) r)"),
         # a lookup is row-wise in ids and column-wise in the table
         rewrite("embedding-ids-cat", "(embedding w (cat a b d))", "(cat (embedding w a) (embedding w b) d)"),
         rewrite("slice-into-embedding-ids", "(slice (embedding w ids) d s e)", "(embedding w (slice ids d s e))",
@@ -227,6 +231,7 @@ def _grad_seeds(gen: Any) -> list[Term]:
         gi = Term("Sum", (g, gen.leaf(sg))) if lo else g
         out.append(Term("EmbGradRows", (local, Term("mul_t", (gi, mask))), (0, n)))
         out.append(Term("EmbGradRows", (raw, g), (lo, n)))
+        out.append(Term("EmbGradRows", (raw, Term("Scale", (g,), (Fraction(r.choice([-1, 2, 3])),))), (lo, n)))
     out.append(_torch_grad(raw, g, v, si, sg))
     out.append(_torch_grad(raw, g, v, si, sg, pad=0.0))  # a real padding row: not the plain accumulation
     return out
