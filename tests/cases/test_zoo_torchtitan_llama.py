@@ -32,7 +32,7 @@ def test_smoke_configuration_refines(zoo) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["tp2", "tp4_sp"])
+@pytest.mark.parametrize("config", ["tp2", "tp4"])
 def test_other_configurations_refine(zoo, config: str) -> None:  # noqa: ANN001
     report = _check(zoo, config)
     assert report.verdict == "REFINES", report
