@@ -3,7 +3,7 @@
 A rank holding rows [s, s+n) of the table looks up `ids - s` where ids fall in its range,
 zeroes the rest and the ranks' results are summed (Megatron's VocabParallelEmbedding). The
 rule builds exactly that masked lookup from the sequential one, so a rank program written
-this way becomes congruent to it.
+this way becomes congruent to it. The table's gradient is rules/embedding_grad.py's.
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ def _product_lookup(index: str) -> str:
             f"(expand (view (logical_not_t {_IN}) (vec-push si 1)) (vec-push si (size w 1))) 0.0)")
 
 
+# torchtitan's (and XLA's gather's) form: the shifted ids clamped into the table, so every id
+# looks up some row, and the rows of ids out of range multiplied by the in-range mask as a
+# number (0 times a real row is 0): `embedding(w, (ids - s).clamp(0, n - 1)) * in.float()`
+def _clamped_lookup(shifted: str) -> str:
+    return (f"(mul_t (embedding w (clamp_t {shifted} 0.0 (to-f64 (- (size w 0) 1)))) "
+            f"(expand (cast_float_t (view {_IN} (vec-push si 1))) (vec-push si (size w 1))))")
+
+
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
         # a lookup is row-wise in ids and column-wise in the table
@@ -66,15 +76,17 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("embedding-vocab-split", "(embedding (cat a b 0) ids)", "(EmbRows (cat a b 0) ids (dim 0))"),
         rule("emb-rows-split", ["(= e (EmbRows (cat a b 0) ids s))", "(= k (size a 0))"],
              ["(union e (Sum (multiset-of (EmbRows a ids s) (EmbRows b ids (d+ s k)))))"]),
-        # each form of the masked lookup: `masked_fill` (Megatron), and the products with the
-        # in-range mask (vLLM, and `in * (ids - s)`)
+        # each form of the masked lookup: `masked_fill` (Megatron), the products with the
+        # in-range mask (vLLM, and `in * (ids - s)`), the clamped ids (torchtitan)
         rule("emb-rows-first", ["(= e (EmbRows w ids s))", "(= s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
-             [f"(union e {_masked_lookup('ids')})", f"(union e {_product_lookup(f'(mul_t {_IN} ids)')})"],
+             [f"(union e {_masked_lookup('ids')})", f"(union e {_product_lookup(f'(mul_t {_IN} ids)')})",
+              f"(union e {_clamped_lookup('ids')})"],
              symbolic=False),
         rule("emb-rows-shifted", ["(= e (EmbRows w ids s))", "(d> s (dim 0))", "(= si (shape ids))", "(= sw (shape w))"],
              [f"(union e {_masked_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})",
               f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids (full (to-f64 (- 0 s)) si))))')})",
-              f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids {_NEG_S})))')})"],
+              f"(union e {_product_lookup(f'(mul_t {_IN} (Sum (multiset-of ids {_NEG_S})))')})",
+              f"(union e {_clamped_lookup('(Sum (multiset-of ids (full (to-f64 (- 0 s)) si)))')})"],
              symbolic=False),
     ]
 

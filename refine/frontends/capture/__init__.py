@@ -56,7 +56,9 @@ whole). `isend`/`irecv` count as blocking where issued (their waits are not trac
 Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
 itself to a DDP-wrapped model), refine.frontends.capture.megatron (Megatron-core),
 refine.frontends.capture.dtensor (`parallelize_module`), refine.frontends.capture.hf
-(transformers' `tp_plan`).
+(transformers' `tp_plan`). For any model library: `trace.register_source_library(pkg)` reports
+nodes at the library's lines, `precision.float64_reference()` keeps its deliberate float32
+casts out of the float64 replay; a library's own `sdpa_kernel([...])` keeps the math backend.
 """
 
 from __future__ import annotations

@@ -324,7 +324,14 @@ def _index_put(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     v = em.value(a["values"])
     picked = list(rows.bshape) + [rows.shape[d] for d in rows.others]
     seen = picked if rows.back is None else [picked[i] for i in rows.back]  # x[indices]'s shape
-    if not acc["accumulate"] and _distinct_positions(em, list(a["indices"])):
+    if not acc["accumulate"] and not _distinct_positions(em, list(a["indices"])):
+        # refine's index_put accumulates: writes by integer indices leave an unspecified
+        # winner where indices repeat, so they are refused here, at the program's line
+        raise em.fail("index_put by integer indices without accumulate (`x[idx] = v`) at positions that may "
+                      "repeat: the value written there is unspecified, and refine lowers only the accumulating "
+                      "form (`x.index_put_(idx, v, accumulate=True)`, `index_add_`) or writes at distinct positions "
+                      "(one index an arange)")
+    if not acc["accumulate"]:
         # each position written once: x + the accumulation of (new - old) there
         rmw = _read_modify_write(node, a)
         w = em.value(rmw[0]) if rmw is not None else None

@@ -23,9 +23,10 @@ buffers outside the plan (embeddings, norms, rotary buffers) must be annotated R
 case; only the step's inputs are matched by name. Example: models/capture/hf_llama.py (a
 1-layer LlamaForCausalLM, eager attention, its own causal-LM loss).
 
-`with float64_reference():` keeps float64 tensors float64 through transformers' deliberate
-float32 upcasts (RMSNorm, softmax, rotary, loss), so capture's float64 replay of the sequential
-graph compares like with like; the traced float32 run is unchanged.
+`with float64_reference():` (refine.frontends.capture.precision) keeps float64 tensors float64
+through transformers' deliberate float32 upcasts (RMSNorm, softmax, rotary, loss), so capture's
+float64 replay of the sequential graph compares like with like; the traced float32 run is
+unchanged.
 
 Nodes are reported at transformers' own lines (modeling_llama.py, tensor_parallel.py), not at
 the one user line that calls the model. DTensor's caches are cleared before each rank (see
@@ -37,17 +38,15 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from refine.frontends.capture.annotate import partial, replicate, shard
 from refine.frontends.capture.errors import CaptureError
-from refine.frontends.capture.trace import SOURCE_LIBRARIES
+from refine.frontends.capture.precision import float64_reference  # noqa: F401 (re-exported)
+from refine.frontends.capture.trace import register_source_library
 
 
 def _register_source() -> None:
@@ -55,9 +54,7 @@ def _register_source() -> None:
     not at the one user line that calls the model."""
     import transformers
 
-    root = str(Path(transformers.__file__).resolve().parent)
-    if root not in SOURCE_LIBRARIES:
-        SOURCE_LIBRARIES.append(root)
+    register_source_library(transformers)
 
 
 _register_source()
@@ -191,44 +188,3 @@ def _shared_parameters(model: nn.Module) -> set[frozenset[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), set()).add(name)
     return {frozenset(g) for g in names.values() if len(g) > 1}
-
-
-
-class _KeepFloat64(TorchFunctionMode):
-    """Float casts and `dtype=` arguments that would take a float64 tensor to another
-    floating dtype keep it float64."""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = dict(kwargs or {})
-        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-        if any(t.dtype == torch.float64 for t in tensors):
-            if func in _DOWNCASTS and args and args[0].dtype == torch.float64:
-                return args[0]
-
-            def keep(v: Any) -> Any:
-                return torch.float64 if isinstance(v, torch.dtype) and v.is_floating_point else v
-
-            args = tuple(keep(a) for a in args)
-            if "dtype" in kwargs:
-                kwargs["dtype"] = keep(kwargs["dtype"])
-        return func(*args, **kwargs)
-
-
-_DOWNCASTS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
-
-
-@contextmanager
-def float64_reference() -> Iterator[None]:
-    """Inside it, a float64 tensor stays float64 through float casts (`.float()`,
-    `.to(torch.float32)`, `softmax(..., dtype=torch.float32)`, ...). No effect on float32
-    runs (the traced one).
-
-    Why: transformers upcasts to float32 on purpose in places (RMSNorm's variance, eager
-    attention's softmax, the rotary angles, the loss's logits), whatever the model's dtype.
-    refine replays the captured sequential graph against the step run eagerly in float64
-    (refine.frontends.capture.case) and treats float casts as identities (real-valued semantics), so
-    those float32 roundings (~1e-7 relative) fail that strict replay although the
-    translation is exact. A step wrapped in this context runs the float64 replay with the
-    same real-valued formulas in float64 throughout."""
-    with _KeepFloat64():
-        yield

@@ -107,6 +107,15 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 SOURCE_LIBRARIES: list[str] = []
 
 
+def register_source_library(module: Any) -> None:
+    """Count the frames of the installed package `module` (e.g. `import torchtitan`) as the
+    user's code: nodes traced in it are reported at its lines (a model's layers, a parallel
+    plan's redistributions), not at the one line of the step that calls the model."""
+    root = str(Path(module.__file__).resolve().parent)
+    if root not in SOURCE_LIBRARIES:
+        SOURCE_LIBRARIES.append(root)
+
+
 def _is_user(filename: str) -> bool:
     try:
         f = str(Path(filename).resolve())
@@ -170,6 +179,28 @@ def _recording_sources() -> Iterator[None]:
             torch.autograd.set_detect_anomaly(True, check_nan=False), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Aa]nomaly.*")
         warnings.filterwarnings("ignore", category=FutureWarning)
+        yield
+
+
+@contextmanager
+def math_attention() -> Iterator[None]:
+    """scaled_dot_product_attention by its math backend throughout the step, also where the
+    program's own code (a library's attention module) selects backends with `sdpa_kernel`.
+
+    Why: the fused CPU kernel's backward is one aten op with no decomposition, while the math
+    backend is the reference written in differentiable ops, so autograd traces the backward as
+    ops refine knows. The backends only round differently (refine's semantics are real-valued),
+    so the choice does not change what is checked. A nested `sdpa_kernel([...])` keeps the math
+    backend only if it lists it; one that excludes it leaves no backend, and the trace fails
+    (closed) rather than run a kernel refine cannot read."""
+    import torch.nn.attention as attention
+
+    real = attention._sdpa_kernel
+
+    def math_only(backends: Any, set_priority: bool = False) -> None:
+        real([b for b in backends if b == SDPBackend.MATH], set_priority)
+
+    with sdpa_kernel([SDPBackend.MATH]), mock.patch.object(attention, "_sdpa_kernel", math_only):
         yield
 
 
@@ -258,10 +289,7 @@ def trace_step(step: Step, where: str) -> Traced:
     args = ([local.traced(n, p) for n, p in params.items()], [local.traced(n, b) for n, b in buffers.items()],
             [local.traced(n, x) for n, x in inputs.items()])
     try:
-        # scaled_dot_product_attention by its math backend: the fused CPU kernel's backward
-        # is one aten op with no decomposition, while the math backend is the reference
-        # written in differentiable ops, so autograd traces the backward as ops refine knows
-        with _recording_sources(), _marking_batches(), sdpa_kernel([SDPBackend.MATH]):
+        with _recording_sources(), _marking_batches(), math_attention():
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
                          record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
     except CaptureError:
