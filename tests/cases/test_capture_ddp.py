@@ -82,6 +82,18 @@ def test_ddp_refines(world: int, micro: int, buffer: bool) -> None:
     assert report.verdict == "REFINES", report
 
 
+def test_micro_batched_ranks_refine_the_whole_batch_step() -> None:
+    """The sequential step runs the whole batch at once; each rank accumulates micro-batches.
+    The sequential loss is a Sum over every micro-batch of every rank, the ranks' mean a Sum
+    of per-rank Sums: they meet only when both sides are rewritten (refine.check._expect_step)."""
+    spec = make_case(2, 2)
+    spec.sequential.step = train_step(1)  # type: ignore[union-attr]
+    case = capture(spec)
+    assert wrong_numerically(case) == set()
+    report = case.check()
+    assert report.verdict == "REFINES", report
+
+
 @pytest.mark.parametrize("bug, micro", [("never_synced", 2), ("never_synced", 1), ("loss_not_divided", 2)])
 def test_ddp_bugs_do_not_refine(bug: str, micro: int) -> None:
     case = capture(make_case(2, micro, bug))
