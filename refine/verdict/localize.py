@@ -367,6 +367,14 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
                 and registry.ops[d.op].linear == "first" and len(d.args) == 1 and d.args[0].op == "D"
                 and (src := pieces.get(find(d.args[0].attrs[0]))) is not None):
             pieces.setdefault(find(u), src)
+        # and a concat of pieces (zeros among them: padding) is a piece of the concat of the sums
+        elif (d is not None and rn is not None and registry.ops[rn.op].kind != "collective"
+              and registry.ops[d.op].linear == "joint" and d.op != "Sum"
+              and (srcs := [pieces.get(find(a.attrs[0])) for a in d.args if a.op == "D"])
+              and all(x is not None or _zero(a, prog) for x, a in
+                      zip([pieces.get(find(a.attrs[0])) if a.op == "D" else None for a in d.args], d.args, strict=True))
+              and any(srcs)):
+            pieces.setdefault(find(u), next(x for x in srcs if x is not None))
     users = core.users()
     out: dict[str, str] = {}
     for u, d in prog.defs.items():
@@ -374,6 +382,9 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
         if d is None or rn is None or registry.ops[rn.op].kind == "collective":
             continue
         flags = [a.op == "D" and find(a.attrs[0]) in pieces for a in d.args]
+        # a zero tensor is a piece of zero (its sum over the ranks is zero too): padding a
+        # partial sum with zeros (a flat gradient buffer's padding) keeps it a partial sum
+        flags = [f or (any(flags) and _zero(a, prog)) for f, a in zip(flags, d.args, strict=True)]
         if not any(flags) or not _breaks_partial(registry.ops[d.op].linear, flags):
             continue
         summed = pieces[find(next(a for a, f in zip(d.args, flags, strict=True) if f).attrs[0])]
@@ -475,6 +486,16 @@ def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, list[str]
         if len(adders) > 1 and len(adders) != wanted:
             return True
     return False
+
+
+def _zero(t: Term, prog: DistProgram) -> bool:
+    """Whether `t` (an argument of a rank node's definition) is a tensor of zeros."""
+    if t.op == "D":
+        d = prog.defs.get(prog.same.find(t.attrs[0]))
+        if d is None:
+            return False
+        t = d
+    return t.op == "full" and bool(t.attrs) and t.attrs[0] == 0
 
 
 def _breaks_partial(linear: str, is_piece: list[bool]) -> bool:
