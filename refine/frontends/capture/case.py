@@ -47,6 +47,7 @@ from refine.frontends.capture.annotate import (
     Annotation,
     check_groups,
     collecting,
+    flat_layout,
     placements_on,
     watching,
 )
@@ -219,8 +220,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     t_ranks = time.perf_counter() - t0 - t_seq
 
     notes: list[str] = []
-    relations, placed, guesses, held = _relations(seq_cv, ranks, mesh)
-    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held)
+    relations, placed, guesses, held, flat_grads = _relations(seq_cv, ranks, mesh)
+    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held, flat_grads)
     seq_doc = {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": seq_cv.graph}
     dist_doc = {
         "format": FORMAT, "version": VERSION, "kind": "distributed",
@@ -268,6 +269,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
     placed: dict[str, tuple[str, list[str] | None]] = {}
     guesses: list[str] = []
     held: dict[str, list[int]] = {}
+    flat_grads: dict[str, str] = {}
     rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
     for inp in seq_cv.graph["inputs"]:
         s = inp["name"]
@@ -304,6 +306,12 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                 check_groups(a, mesh, r, repr(local))
         ann = anns[min(anns)]
         rel: dict[str, Any] = {"from": s}
+        if ann is not None and ann.flat:
+            part, order = _flat_part(ann, s, local, mesh)
+            relations.append({"from": s, "layout": flat_layout(local, part, order)})
+            placed[s] = (local, None)
+            flat_grads[s] = flat_layout(f"{local}.grad", part, order)
+            continue
         if local != s:
             rel["input"] = local
         if ann is not None and ann.layout is not None:
@@ -329,7 +337,25 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         if any(p != "Replicate" for p in pl) or local != s:
             relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
-    return relations, placed, guesses, held
+    return relations, placed, guesses, held, flat_grads
+
+
+def _flat_part(ann: Annotation, s: str, local: str, mesh: dict[str, int]
+               ) -> tuple[tuple[str, int, tuple[int, ...]], list[int]]:
+    """The part `s` of flat shard `local` and the ranks holding its shards, in order: every
+    rank of a one-axis mesh (or of the world, no axis named)."""
+    (part,) = [f for f in ann.flat if f[0] == s]
+    axis = ann.flat_axis
+    if axis is not None and axis not in mesh:
+        raise CaptureError(f"{local!r} is annotated a flat shard along axis {axis!r}, which the mesh does not have "
+                           f"(axes: {', '.join(mesh)})")
+    if axis is not None and len(mesh) > 1:
+        raise CaptureError(f"{local!r} is a flat shard along axis {axis!r} of a mesh of several axes ({mesh}): refine "
+                           "relates flat shards over every rank only; shard over the whole world (axis=None)")
+    world = 1
+    for n in mesh.values():
+        world *= n
+    return part, list(range(world))
 
 
 def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str, Any]]) -> tuple[str, list[int]]:
@@ -337,12 +363,13 @@ def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str
     and the ranks that hold it (all of them, unless the program is split into stages)."""
     found: dict[int, str] = {}
     for r, rk in ranks.items():
-        named = [n for n, a in rk.annotations.items() if a.seq == s]
+        named = [n for n, a in rk.annotations.items() if a.seq == s or any(f[0] == s for f in a.flat)]
         if len(named) > 1:
             raise CaptureError(f"rank {r}: {named} are all annotated as pieces of {s!r}")
         if named:
             found[r] = named[0]
-        elif s in rank_inputs[r] and not (rk.annotations.get(s) and rk.annotations[s].seq not in (None, s)):
+        elif s in rank_inputs[r] and not (rk.annotations.get(s) and (rk.annotations[s].seq not in (None, s)
+                                                                      or rk.annotations[s].flat)):
             found[r] = s
     if not found:
         raise CaptureError(f"sequential input {s!r} has no counterpart on any rank: no rank input has that name "
@@ -383,9 +410,11 @@ def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -
 
 
 def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
-                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]]) -> list[dict[str, Any]]:
+                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]],
+                  flat_grads: dict[str, str]) -> list[dict[str, Any]]:
     """The loss is Replicate (or equal on each rank that computes one: a pipeline's last
-    stage); each gradient is placed like its parameter (equal on each rank holding it)."""
+    stage); each gradient is placed like its parameter (equal on each rank holding it; a
+    part of a flat shard's, in the flat gradient's shards as the part is in the parameter's)."""
     with_loss = [r for r, rk in sorted(ranks.items()) if rk.traced.has_loss]
     if not with_loss:
         raise CaptureError("no rank's step returns the loss (each returned None)")
@@ -410,6 +439,9 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
                     f"{local!r} (its .grad is None after the step: is the parameter used, does the loss reach it?)")
         if p in held:
             out.append({"output": f"{p}.grad", "layout": [f"{local}.grad@{r}" for r in holders]})
+            continue
+        if p in flat_grads:
+            out.append({"output": f"{p}.grad", "layout": [flat_grads[p]]})
             continue
         derived = _grad_placement(ranks, local, mesh)
         if derived is not None:  # a DTensor gradient: placed as the program's autograd made it
