@@ -97,7 +97,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     elif unclean:
         node = core.index()[unclean[0]]
         reason = UNCLEAN
-        sent = _wrong_message(node, inf, prog)
+        sent = _wrong_message(node, inf, prog) or _wrong_slice(node, inf, prog)
         if sent is not None:
             rank_node, rank_source, why = sent
             reason += f"; {why}"
@@ -320,6 +320,32 @@ def _wrong_message(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, 
                 return send, where, (f"rank {rank} uses them with {got}, received from rank {peer} "
                                      f"({send}{' at ' + where if where else ''} sends {src}), which is none of "
                                      "the tensors the sequential inputs relate to")
+    return None
+
+
+def _wrong_slice(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, str | None, str] | None:
+    """A rank node that slices a tensor the node's input relations slice, as long a piece
+    along the same dim but at other offsets, while no rank takes the piece the relation
+    names: the rank reads the wrong part of it (an offset off by a flat buffer's padding,
+    by a shard). Returns that rank node, its source and why."""
+    wanted: list[Term] = []
+    for a in node.tensor_args():
+        wanted += [t for t in _subterms(inf.relations[a]) if t.op == "slice" and t.args and t.args[0].op == "D"]
+    for t in wanted:
+        base = t.args[0].attrs[0]
+        dim, start, end = t.attrs[:3]
+        cuts = [(u, d) for u in prog.users.get(base, []) if (d := prog.defs.get(u)) is not None
+                and d.op == "slice" and d.args and d.args[0].op == "D" and prog.same.find(d.args[0].attrs[0])
+                == prog.same.find(base) and d.attrs[0] == dim]
+        if any(tuple(d.attrs[1:3]) == (start, end) for _, d in cuts):
+            continue
+        for u, d in cuts:
+            s2, e2 = d.attrs[1:3]
+            if all(isinstance(v, int) for v in (s2, e2, start, end)) and e2 - s2 == end - start:
+                where = prog.nodes[u].source if u in prog.nodes else None
+                return u, where, (f"{u} takes {base}[{s2}:{e2}] along dim {dim}, where the sequential tensor is "
+                                  f"its [{start}:{end}]: the rank reads the wrong part of it (an offset off by "
+                                  f"{s2 - start})")
     return None
 
 

@@ -79,3 +79,12 @@ def test_a_flat_shard_along_one_axis_of_several_is_refused() -> None:
     parts = [(n, p.shape) for n, p in zero_flat.MLP().named_parameters()]
     with pytest.raises(CaptureError, match="several axes"):
         capture(_spec(lambda t: capture.flat(t, parts, axis="dp"), mesh={"dp": 2, "tp": 1}))
+
+
+def test_an_offset_off_by_the_padding_is_named_at_the_line_that_slices() -> None:
+    """The parameters are read at offsets off by the padding: the report names the rank
+    slice taking the wrong piece of the gathered buffer (refine.verdict.localize._wrong_slice)."""
+    report = capture(ZOO.make_case("dp2", bug="pad_at_front")).check()
+    assert report.verdict == "DOES NOT REFINE", report
+    assert report.culprit is not None and report.culprit.rank_source in ZOO.culprit_lines("pad_at_front"), report
+    assert "offset off by 1" in report.culprit.reason
