@@ -429,7 +429,11 @@ def _expect_step(rel: Term, prog: DistProgram, registry: Registry, tensors: list
     res = engine.step(rel, prog, registry, tensors, checks=checks)
     if holds(res) or not res.clean:
         return res
-    both = engine.step(rel, prog, registry, tensors, checks=checks, both=True)
+    # the relation's side reduced too: how its rank tensors are built by the relation
+    # language's ops (a rank's view of its gathered flat buffer, the buffer a concat of shards)
+    back = [x for x in structural_ancestry(prog, sorted(res.best.leaves()), engine.policy.expect_hops)
+            if x not in set(tensors)]
+    both = engine.step(rel, prog, registry, tensors + back, checks=checks, both=True)
     return both if holds(both) else res
 
 

@@ -7,9 +7,11 @@ padded at the end to a multiple of the world size, cut into equal shards (annota
 `capture.flat`, which states the layout). Forward all-gathers the buffer
 (`all_gather_into_tensor`) and unflattens it into the parameters (`split`, `view`);
 backward reduce-scatters the flat gradient (`reduce_scatter_tensor`, AVG) so each rank
-ends with its shard of the batch-averaged gradient, the shard its optimizer updates. The
-sizes make the padding non-trivial (97 elements: 1, 2 and 3 padding elements on 2, 3
-and 4 ranks).
+ends with its shard of the batch-averaged gradient, and its SGD step updates its shard
+with it. The sequential step updates every parameter with SGD; its updated parameters and
+gradients are checked against the ranks' updated shards and gradient shards, in the layout
+`capture.flat` states. The sizes make the padding non-trivial (97 elements: 1, 2 and 3
+padding elements on 2, 3 and 4 ranks).
 
 Bugs (each a kind public trackers record):
 - "sum_not_avg": the flat gradient is reduce-scattered with SUM: world times too large
@@ -34,6 +36,7 @@ from refine import capture
 
 REQUIRES = ()
 AVG, SUM = ReduceOp.AVG, ReduceOp.SUM
+LR = 0.1
 B, H, FFN = 12, 6, 7  # batch, hidden size, MLP size: 97 parameters, padded on 2, 3 and 4 ranks
 
 CONFIGS = {"dp2": 2, "dp3": 3, "dp4": 4}
@@ -109,15 +112,22 @@ class FlatMLP(nn.Module):
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The whole batch, then an SGD step on every parameter."""
     loss = F.mse_loss(model(x), target)
     loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(LR * p.grad)
     return loss
 
 
 def zero_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The gradient is reduce-scattered inside backward; the loss is averaged for logging."""
+    """The gradient is reduce-scattered inside backward; each rank's SGD step updates its
+    shard with its shard of the gradient; the loss is averaged for logging."""
     loss = F.mse_loss(model(x), target)
     loss.backward()
+    with torch.no_grad():
+        model.flat.sub_(LR * model.flat.grad)
     return funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
 
 

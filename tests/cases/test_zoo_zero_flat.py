@@ -1,6 +1,6 @@
 """models/zoo/zero_flat.py: ZeRO-style flat, padded, sharded parameters stated by
 `capture.flat`. Each sequential parameter's relation is derived as a view of a slice of the
-shards' concat, the flat gradient is expected in the same layout, the layout is checked
+shards' concat, the flat gradient and the updated shard are expected in the same layout, the layout is checked
 against the values (a wrong one is an error at capture), and what `capture.flat` cannot
 state is refused. The verdicts of every configuration and bug: tests/cases/test_zoo.py."""
 
@@ -24,6 +24,7 @@ def test_each_parameter_is_a_slice_of_the_shards_and_its_gradient_too(config: st
     case = capture(ZOO.make_case(config))
     shards = ", ".join(f"flat@{r}" for r in range(world))
     grads = ", ".join(f"flat.grad@{r}" for r in range(world))
+    updated = ", ".join(f"flat.updated@{r}" for r in range(world))
     relations = {r["from"]: r.get("layout") for r in case.dist_doc["relations"]}
     expected = {e["output"]: e.get("layout") for e in case.dist_doc["expectations"]}
     offset = 0
@@ -31,6 +32,8 @@ def test_each_parameter_is_a_slice_of_the_shards_and_its_gradient_too(config: st
         n, shape = p.numel(), ", ".join(map(str, p.shape))
         assert relations[name] == f"view(slice(cat({shards}, dim=0), 0, {offset}, {offset + n}), [{shape}])"
         assert expected[f"{name}.grad"] == [f"view(slice(cat({grads}, dim=0), 0, {offset}, {offset + n}), [{shape}])"]
+        assert expected[f"{name}.updated"] == [f"view(slice(cat({updated}, dim=0), 0, {offset}, {offset + n}), "
+                                               f"[{shape}])"]
         offset += n
     assert not case.guesses
     ops = [n.op for g in case.dist.ranks.values() for n in g.nodes]
