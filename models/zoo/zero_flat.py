@@ -7,11 +7,16 @@ padded at the end to a multiple of the world size, cut into equal shards (annota
 `capture.flat`, which states the layout). Forward all-gathers the buffer
 (`all_gather_into_tensor`) and unflattens it into the parameters (`split`, `view`);
 backward reduce-scatters the flat gradient (`reduce_scatter_tensor`, AVG) so each rank
-ends with its shard of the batch-averaged gradient, and its SGD step updates its shard
-with it. The sequential step updates every parameter with SGD; its updated parameters and
-gradients are checked against the ranks' updated shards and gradient shards, in the layout
-`capture.flat` states. The sizes make the padding non-trivial (97 elements: 1, 2 and 3
-padding elements on 2, 3 and 4 ranks).
+ends with its shard of the batch-averaged gradient, the shard its optimizer updates; the
+sequential gradients are checked against the gradient shards in the layout `capture.flat`
+states. In "dp2_sgd" each rank's SGD step updates its shard, the sequential step updates
+every parameter, and the updated parameters are checked too. The sizes make the padding
+non-trivial (97 elements: 1, 2 and 3 padding elements on 2, 3 and 4 ranks).
+
+Not here: the SGD update on 3 or 4 ranks, where a shard boundary falls inside a parameter
+(a row of fc1.weight): the checker does not yet relate the updated parameter, a sum of the
+parameter and its scaled gradient viewed out of two shards, to the concat of the two
+updated shards (UNPROVEN, a false alarm; the gradients alone refine there).
 
 Bugs (each a kind public trackers record):
 - "sum_not_avg": the flat gradient is reduce-scattered with SUM: world times too large
@@ -39,10 +44,11 @@ AVG, SUM = ReduceOp.AVG, ReduceOp.SUM
 LR = 0.1
 B, H, FFN = 12, 6, 7  # batch, hidden size, MLP size: 97 parameters, padded on 2, 3 and 4 ranks
 
-CONFIGS = {"dp2": 2, "dp3": 3, "dp4": 4}
+CONFIGS = {"dp2": (2, False), "dp3": (3, False), "dp4": (4, False), "dp2_sgd": (2, True)}  # (ranks, SGD step)
 PROGRAM = Program(
     configs={"dp2": "2 ranks, 1 padding element", "dp3": "3 ranks, 2 padding elements",
-             "dp4": "4 ranks, 3 padding elements"},
+             "dp4": "4 ranks, 3 padding elements",
+             "dp2_sgd": "2 ranks, each updating its shard with SGD; the updated parameters checked too"},
     smoke="dp2",
     bugs={
         "sum_not_avg": Bug("dp2", "the flat gradient is reduce-scattered with SUM, not AVG: the averaging over the "
@@ -111,23 +117,25 @@ class FlatMLP(nn.Module):
         return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 
 
-def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The whole batch, then an SGD step on every parameter."""
+def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, sgd: bool = False) -> torch.Tensor:
+    """The whole batch (then, with `sgd`, an SGD step on every parameter)."""
     loss = F.mse_loss(model(x), target)
     loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.sub_(LR * p.grad)
+    if sgd:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(LR * p.grad)
     return loss
 
 
-def zero_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The gradient is reduce-scattered inside backward; each rank's SGD step updates its
-    shard with its shard of the gradient; the loss is averaged for logging."""
+def zero_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, sgd: bool = False) -> torch.Tensor:
+    """The gradient is reduce-scattered inside backward (then, with `sgd`, each rank's SGD
+    step updates its shard with its shard of the gradient); the loss is averaged for logging."""
     loss = F.mse_loss(model(x), target)
     loss.backward()
-    with torch.no_grad():
-        model.flat.sub_(LR * model.flat.grad)
+    if sgd:
+        with torch.no_grad():
+            model.flat.sub_(LR * model.flat.grad)
     return funcol.all_reduce(loss.detach(), "avg", dist.group.WORLD)
 
 
@@ -136,7 +144,7 @@ def make_case(config: str, bug: str | None = None) -> capture.Spec:
         raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(CONFIGS)})")
     if bug is not None and bug not in PROGRAM.bugs:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(PROGRAM.bugs)})")
-    world = CONFIGS[config]
+    world, sgd = CONFIGS[config]
     torch.manual_seed(0)
     seq = MLP()
     x, target = torch.randn(B, H), torch.randn(B, H)
@@ -144,8 +152,9 @@ def make_case(config: str, bug: str | None = None) -> capture.Spec:
 
     def rank(r: int) -> capture.Step:
         part = slice(r * b, (r + 1) * b)
-        return capture.Step(FlatMLP(seq, r, world, bug), zero_step,
+        return capture.Step(FlatMLP(seq, r, world, bug), lambda m, **inputs: zero_step(m, **inputs, sgd=sgd),
                             {"x": capture.shard(x[part], 0), "target": capture.shard(target[part], 0)})
 
-    return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "target": target}), rank=rank,
+    return capture.Spec(sequential=capture.Step(seq, lambda m, **inputs: train_step(m, **inputs, sgd=sgd),
+                                                {"x": x, "target": target}), rank=rank,
                         world_size=world, mesh={"dp": world}, name=f"zero_flat_{config}{'_bug_' + bug if bug else ''}")
