@@ -37,7 +37,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,7 @@ from refine.prove.engine import Engine
 from refine.prove.extra_rules import require_verified
 from refine.prove.frontier import frontier, structural_ancestry
 from refine.prove.policy import DEFAULT, STRATEGIES, Policy
+from refine.prove.reuse import StepResult
 from refine.prove.walk import infer, settle
 from refine.relate.program import DistProgram, build_program, seq_input_relations
 from refine.verdict.expect import expectation_options, expected_terms
@@ -366,7 +367,8 @@ def _explicit(name: str, role: str, rel: Term, wanted: list[Term], expect: str, 
     # how the expected outputs are assembled (an all-reduce of flattened gradients, sliced)
     wanted_leaves = sorted({prog.outputs.get(x, x) for t in wanted for x in t.leaves()})
     tensors += [x for x in structural_ancestry(prog, wanted_leaves, hops) if x not in set(tensors)]
-    res = engine.step(rel, prog, registry, tensors, checks=wanted)
+    res = _expect_step(rel, prog, registry, tensors, wanted, engine,
+                       lambda r: all(_held(r.checks, r.best, wanted)))
     held = _held(res.checks, res.best, wanted)
     ok = all(held)
     detail = "" if ok else f"expected {wanted[held.index(False)]}"
@@ -390,12 +392,17 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
         # how the ranks' copies are made from what the relation names (as _explicit does)
         copies = sorted({prog.outputs.get(x, x) for _, ts in standard for t in ts for x in t.leaves()})
         tensors += [x for x in structural_ancestry(prog, copies, engine.policy.expect_hops) if x not in set(tensors)]
-        res = engine.step(rel, prog, registry, tensors, checks=[t for _, ts in options for t in ts])
-        got, i = None, 0
-        for pl, ts in options:
-            if got is None and all(_held(res.checks[i:i + len(ts)], res.best, ts)):
-                got = pl or ()
-            i += len(ts)
+        def standard_held(r: StepResult) -> tuple[Placement, ...] | None:
+            found, i = None, 0
+            for pl, ts in options:
+                if found is None and all(_held(r.checks[i:i + len(ts)], r.best, ts)):
+                    found = pl or ()
+                i += len(ts)
+            return found
+
+        res = _expect_step(rel, prog, registry, tensors, [t for _, ts in options for t in ts], engine,
+                           lambda r: standard_held(r) is not None)
+        got = standard_held(res)
         expect = "placed on every rank's copy in a standard way (no expectation given)"
         if got is None:
             detail = "no clean relation" if not res.clean else \
@@ -409,6 +416,25 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     detail = "" if from_outputs else (
         "no clean relation" if not res.clean else "only related to rank intermediates, not to rank outputs")
     return OutputResult(name, role, str(res.best), res.clean, "reconstructible from rank outputs", from_outputs, detail)
+
+
+def _expect_step(rel: Term, prog: DistProgram, registry: Registry, tensors: list[str], checks: list[Term],
+                 engine: Engine, holds: Callable[[StepResult], bool]) -> StepResult:
+    """The e-graph step checking an output's relation against what the rank outputs must make.
+    Saturating from the relation alone reaches a check only when the relation's class grows
+    into it; a check that only meets the relation in a common form (the sequential loss a
+    Sum over every micro-batch of every rank, the ranks' mean a Sum of per-rank Sums) needs
+    its own terms rewritten too: when the first step does not show it, the checks go into
+    the e-graph as well (the same proof, from both sides; still only equalities proven)."""
+    res = engine.step(rel, prog, registry, tensors, checks=checks)
+    if holds(res) or not res.clean:
+        return res
+    # the relation's side reduced too: how its rank tensors are built by the relation
+    # language's ops (a rank's view of its gathered flat buffer, the buffer a concat of shards)
+    back = [x for x in structural_ancestry(prog, sorted(res.best.leaves()), engine.policy.expect_hops)
+            if x not in set(tensors)]
+    both = engine.step(rel, prog, registry, tensors + back, checks=checks, both=True)
+    return both if holds(both) else res
 
 
 def _held(checks: list[bool], best: Term, wanted: list[Term]) -> list[bool]:

@@ -163,8 +163,10 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                  proven: Callable[[int, str], bool] = lambda r, n: False, seed: int = 0,
                  factor: Fraction | None = None) -> WrongFactor | None:
     """The rank program line whose constant factor, multiplied by the one constant `c` every
-    failing output is off by, makes every output right; None when the failing outputs are
-    not all off by one constant, or no single line's edit repairs them.
+    failing output that is a multiple of what it should be is off by, makes every output
+    right; None when those outputs are not all off by one constant (or there is none), or no
+    single line's edit repairs every failing output (those off by `c` and the others, a
+    parameter updated with a gradient off by `c`).
 
     `factor` gives `c` instead, when the outputs are not multiples of what the ranks hold but
     some of the terms they sum are (the checker reads it off the relations: a loss that adds
@@ -199,9 +201,8 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                 except Exception:  # noqa: BLE001 - not a constant multiple, then
                     return None
                 c = _ratio(seq_vals[refs[name]], got)
-                if c is None:
-                    return None
-                factors.add(c)
+                if c is not None:  # an output that is no multiple (a parameter updated with a
+                    factors.add(c)  # gradient off by c) gives none; the edit must still repair it
             for leaf in t.leaves():
                 local, _, r = leaf.rpartition("@")
                 roots[int(r)].add(dist.ranks[int(r)].output(local).ref)

@@ -97,7 +97,7 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
     elif unclean:
         node = core.index()[unclean[0]]
         reason = UNCLEAN
-        sent = _wrong_message(node, inf, prog)
+        sent = _wrong_message(node, inf, prog) or _wrong_slice(node, inf, prog)
         if sent is not None:
             rank_node, rank_source, why = sent
             reason += f"; {why}"
@@ -323,6 +323,32 @@ def _wrong_message(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, 
     return None
 
 
+def _wrong_slice(node: Node, inf: Inference, prog: DistProgram) -> tuple[str, str | None, str] | None:
+    """A rank node that slices a tensor the node's input relations slice, as long a piece
+    along the same dim but at other offsets, while no rank takes the piece the relation
+    names: the rank reads the wrong part of it (an offset off by a flat buffer's padding,
+    by a shard). Returns that rank node, its source and why."""
+    wanted: list[Term] = []
+    for a in node.tensor_args():
+        wanted += [t for t in _subterms(inf.relations[a]) if t.op == "slice" and t.args and t.args[0].op == "D"]
+    for t in wanted:
+        base = t.args[0].attrs[0]
+        dim, start, end = t.attrs[:3]
+        cuts = [(u, d) for u in prog.users.get(base, []) if (d := prog.defs.get(u)) is not None
+                and d.op == "slice" and d.args and d.args[0].op == "D" and prog.same.find(d.args[0].attrs[0])
+                == prog.same.find(base) and d.attrs[0] == dim]
+        if any(tuple(d.attrs[1:3]) == (start, end) for _, d in cuts):
+            continue
+        for u, d in cuts:
+            s2, e2 = d.attrs[1:3]
+            if all(isinstance(v, int) for v in (s2, e2, start, end)) and e2 - s2 == end - start:
+                where = prog.nodes[u].source if u in prog.nodes else None
+                return u, where, (f"{u} takes {base}[{s2}:{e2}] along dim {dim}, where the sequential tensor is "
+                                  f"its [{start}:{end}]: the rank reads the wrong part of it (an offset off by "
+                                  f"{s2 - start})")
+    return None
+
+
 def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registry,
                candidates: set[str]) -> dict[str, str]:
     """Rank nodes (outside collectives) that use a piece of a partial sum in a way that is
@@ -367,6 +393,14 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
                 and registry.ops[d.op].linear == "first" and len(d.args) == 1 and d.args[0].op == "D"
                 and (src := pieces.get(find(d.args[0].attrs[0]))) is not None):
             pieces.setdefault(find(u), src)
+        # and a concat of pieces (zeros among them: padding) is a piece of the concat of the sums
+        elif (d is not None and rn is not None and registry.ops[rn.op].kind != "collective"
+              and registry.ops[d.op].linear == "joint" and d.op != "Sum"
+              and (srcs := [pieces.get(find(a.attrs[0])) for a in d.args if a.op == "D"])
+              and all(x is not None or _zero(a, prog) for x, a in
+                      zip([pieces.get(find(a.attrs[0])) if a.op == "D" else None for a in d.args], d.args, strict=True))
+              and any(srcs)):
+            pieces.setdefault(find(u), next(x for x in srcs if x is not None))
     users = core.users()
     out: dict[str, str] = {}
     for u, d in prog.defs.items():
@@ -374,6 +408,9 @@ def _misplaced(core: Graph, inf: Inference, prog: DistProgram, registry: Registr
         if d is None or rn is None or registry.ops[rn.op].kind == "collective":
             continue
         flags = [a.op == "D" and find(a.attrs[0]) in pieces for a in d.args]
+        # a zero tensor is a piece of zero (its sum over the ranks is zero too): padding a
+        # partial sum with zeros (a flat gradient buffer's padding) keeps it a partial sum
+        flags = [f or (any(flags) and _zero(a, prog)) for f, a in zip(flags, d.args, strict=True)]
         if not any(flags) or not _breaks_partial(registry.ops[d.op].linear, flags):
             continue
         summed = pieces[find(next(a for a, f in zip(d.args, flags, strict=True) if f).attrs[0])]
@@ -475,6 +512,16 @@ def _overcounted(prog: DistProgram, u: str, d: Term, pieces: dict[str, list[str]
         if len(adders) > 1 and len(adders) != wanted:
             return True
     return False
+
+
+def _zero(t: Term, prog: DistProgram) -> bool:
+    """Whether `t` (an argument of a rank node's definition) is a tensor of zeros."""
+    if t.op == "D":
+        d = prog.defs.get(prog.same.find(t.attrs[0]))
+        if d is None:
+            return False
+        t = d
+    return t.op == "full" and bool(t.attrs) and t.attrs[0] == 0
 
 
 def _breaks_partial(linear: str, is_piece: list[bool]) -> bool:

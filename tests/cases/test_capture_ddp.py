@@ -82,6 +82,44 @@ def test_ddp_refines(world: int, micro: int, buffer: bool) -> None:
     assert report.verdict == "REFINES", report
 
 
+def test_micro_batched_ranks_refine_the_whole_batch_step() -> None:
+    """The sequential step runs the whole batch at once; each rank accumulates micro-batches.
+    The sequential loss is a Sum over every micro-batch of every rank, the ranks' mean a Sum
+    of per-rank Sums: they meet only when both sides are rewritten (refine.check._expect_step)."""
+    spec = make_case(2, 2)
+    spec.sequential.step = train_step(1)  # type: ignore[union-attr]
+    case = capture(spec)
+    assert wrong_numerically(case) == set()
+    report = case.check()
+    assert report.verdict == "REFINES", report
+
+
+def sgd(step: Callable[..., torch.Tensor], lr: float) -> Callable[..., torch.Tensor]:
+    """The step, then an SGD update of every parameter in place (the optimizer's step)."""
+    def stepped(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = step(model, x, y)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(lr * p.grad)
+        return loss
+    return stepped
+
+
+@pytest.mark.parametrize("rank_lr, verdict", [(0.1, "REFINES"), (0.2, "DOES NOT REFINE")])
+def test_parameters_updated_in_place_are_outputs_placed_like_them(rank_lr: float, verdict: str) -> None:
+    spec = make_case(2, 1)
+    spec.sequential.step = sgd(train_step(1), 0.1)  # type: ignore[union-attr]
+    rank = spec.rank
+    spec.rank = lambda r: (lambda s: capture.Step(s.model, sgd(s.step, rank_lr), s.inputs))(rank(r))
+    case = capture(spec)
+    outputs = [o["name"] for o in case.seq_doc["graph"]["outputs"]]
+    assert [o for o in outputs if o.endswith(".updated")] == [f"{p}.updated" for p, _ in MLP().named_parameters()]
+    assert {"output": "fc1.weight.updated", "placements": ["Replicate"]} in case.dist_doc["expectations"]
+    assert (wrong_numerically(case) == set()) == (verdict == "REFINES")
+    report = case.check()
+    assert report.verdict == verdict, report
+
+
 @pytest.mark.parametrize("bug, micro", [("never_synced", 2), ("never_synced", 1), ("loss_not_divided", 2)])
 def test_ddp_bugs_do_not_refine(bug: str, micro: int) -> None:
     case = capture(make_case(2, micro, bug))

@@ -70,12 +70,12 @@ import types
 from pathlib import Path
 from typing import Any
 
-from refine.frontends.capture.annotate import Annotation, layout, partial, replicate, shard
+from refine.frontends.capture.annotate import Annotation, flat, layout, partial, replicate, shard
 from refine.frontends.capture.case import Case, Spec, capture
 from refine.frontends.capture.errors import CaptureError
 from refine.frontends.capture.trace import Step, exception_source, fake_process_group
 
-__all__ = ["Annotation", "CaptureError", "Case", "Spec", "Step", "capture", "fake_process_group", "layout",
+__all__ = ["Annotation", "CaptureError", "Case", "Spec", "Step", "capture", "fake_process_group", "flat", "layout",
            "load_target", "partial", "replicate", "shard"]
 
 

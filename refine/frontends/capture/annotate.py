@@ -14,7 +14,9 @@ placement is guessed from the shapes (and the guess is reported).
 
 The calls: `shard(t, dim, axis=None, *, seq=None)`, `replicate(t, axis=None, *, seq=None)`,
 `partial(t, reduce="sum", axis=None, *, seq=None)`, `layout(t, expr, *, seq=None)` (`expr` in
-the relation language over rank tensors `name@rank`); `t` is a tensor or its qualified name.
+the relation language over rank tensors `name@rank`), `flat(t, [(name, shape), ...],
+axis=None)` (one rank tensor holding its shard of several sequential tensors flattened,
+concatenated and padded: ZeRO's and FSDP's flat buffers); `t` is a tensor or its qualified name.
 The guess for an unannotated tensor: equal shapes are Replicate, one dim divided by a mesh
 axis's size is Shard on that axis. `refine capture` prints the guesses, the documents write
 them `"guessed": true`, and every report flags them. Frameworks register derivers
@@ -48,8 +50,14 @@ class Annotation:
     # the global ranks along each axis through this rank, when a framework states them (a
     # DeviceMesh): checked against the Spec's mesh, so axes laid out differently are an error
     groups: tuple[tuple[str | None, tuple[int, ...]], ...] = ()
+    # a flat shard (refine.capture.flat): the sequential tensors packed in it, each
+    # (name, offset in the packed buffer, shape), and the mesh axis its shards run along
+    flat: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    flat_axis: str | None = None
 
     def describe(self) -> str:
+        if self.flat:
+            return f"flat shard of {', '.join(n for n, _, _ in self.flat)}"
         if self.layout is not None:
             return f"layout {self.layout}"
         return ", ".join(p if a is None else f"{p} on {a}" for a, p in self.placements) or "Replicate"
@@ -98,6 +106,8 @@ def _caller() -> str:
 def _merge(old: Annotation | None, new: Annotation, what: str) -> Annotation:
     if old is None:
         return new
+    if old.flat or new.flat:
+        raise CaptureError(f"{what} is annotated twice, as a flat shard and with another annotation")
     if (old.layout is None) != (new.layout is None) or (old.layout and new.layout and old.layout != new.layout):
         raise CaptureError(f"{what} is annotated twice, with a layout and another annotation")
     if old.seq and new.seq and old.seq != new.seq:
@@ -146,6 +156,39 @@ def layout(target: T, expr: str, *, seq: str | None = None) -> T:
     """An explicit relation for fused weights: `expr` over rank inputs `name@rank` equals the
     sequential tensor, e.g. "cat(slice(qkv@0, 0, 0, 4), slice(qkv@1, 0, 0, 4), dim=0)"."""
     return _annotate(target, Annotation(layout=str(expr), seq=seq))
+
+
+def flat(target: T, parts: list[tuple[str, tuple[int, ...] | torch.Size]], axis: str | None = None) -> T:
+    """`target` is this rank's shard of a flat buffer (ZeRO, FSDP's flat parameter): the
+    sequential tensors `parts` (name, shape), flattened and concatenated in that order,
+    padded at the end to a multiple of the ranks along `axis` (or all), cut into equal
+    shards in rank order. Each part's relation is derived (a view of a slice of the shards'
+    concat); a flat parameter's gradient is expected in the same layout (its shards hold
+    the sequential gradients, the padding nothing)."""
+    parts_out: list[tuple[str, int, tuple[int, ...]]] = []
+    offset = 0
+    for name, shape in parts:
+        dims = tuple(int(d) for d in shape)
+        parts_out.append((str(name), offset, dims))
+        n = 1
+        for d in dims:
+            n *= d
+        offset += n
+    if not parts_out:
+        raise CaptureError("capture.flat: no parts given")
+    if len({n for n, _, _ in parts_out}) != len(parts_out):
+        raise CaptureError("capture.flat: a part is named twice")
+    return _annotate(target, Annotation(flat=tuple(parts_out), flat_axis=axis))
+
+
+def flat_layout(name: str, part: tuple[str, int, tuple[int, ...]], ranks: list[int]) -> str:
+    """The relation of one part of a flat shard `name`, held by `ranks` in shard order."""
+    _, offset, shape = part
+    n = 1
+    for d in shape:
+        n *= d
+    shards = ", ".join(f"{name}@{r}" for r in ranks)
+    return f"view(slice(cat({shards}, dim=0), 0, {offset}, {offset + n}), [{', '.join(map(str, shape))}])"
 
 
 # Frameworks mark their parallel tensors themselves (DTensor placements, Megatron's

@@ -8,10 +8,13 @@
     case.write("case/")             # case/seq.json, case/dist.json
 
 Outputs: `loss` (role loss) and `<param>.grad` (role gradient) for every parameter that got
-a gradient; a gradient missing on one side is an error. Expectations: the loss is Replicate
-and equal to the sequential loss (or, when only some ranks return a loss, a layout over those
-ranks' losses); each gradient is placed like its parameter (a DTensor parameter's: as the
-program's DTensor gradient is). A parameter only some ranks hold whole (a tied embedding on
+a gradient; a gradient missing on one side is an error. A parameter the step changes in place
+(an optimizer step after backward) has `<param>.updated`, its value after the step; one the
+sequential step updates and a rank leaves as it was is an error. Expectations: the loss is
+Replicate and equal to the sequential loss (or, when only some ranks return a loss, a layout
+over those ranks' losses); each gradient and updated parameter is placed like its parameter
+(a DTensor parameter's gradient: as the program's DTensor gradient is; a part of a flat
+shard's: in the flat gradient's, or updated shard's, layout). A parameter only some ranks hold whole (a tied embedding on
 the first and last pipeline stage) is related to each copy by a list of replica layouts
 (matched by name and shape, so flagged as guessed), and its gradient must equal the
 sequential one on every rank holding it.
@@ -47,10 +50,11 @@ from refine.frontends.capture.annotate import (
     Annotation,
     check_groups,
     collecting,
+    flat_layout,
     placements_on,
     watching,
 )
-from refine.frontends.capture.convert import Converted, convert
+from refine.frontends.capture.convert import Converted, convert, updated_name
 from refine.frontends.capture.dtensor import local_distribution
 from refine.frontends.capture.errors import CaptureError
 from refine.frontends.capture.trace import (
@@ -219,8 +223,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     t_ranks = time.perf_counter() - t0 - t_seq
 
     notes: list[str] = []
-    relations, placed, guesses, held = _relations(seq_cv, ranks, mesh)
-    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held)
+    relations, placed, guesses, held, flat_grads = _relations(seq_cv, ranks, mesh)
+    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held, flat_grads)
     seq_doc = {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": seq_cv.graph}
     dist_doc = {
         "format": FORMAT, "version": VERSION, "kind": "distributed",
@@ -258,16 +262,18 @@ def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:
 
 def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str],
-                          dict[str, list[int]]]:
+                          dict[str, list[int]], dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]]]:
     """A relation per sequential input; `placed`: input -> (rank input, placements or None
     for a layout); `held`: inputs that only some ranks hold, whole (pipeline stages) -> those
-    ranks. Replicate guesses are left out of the document: the checker makes the same guess
-    and flags it."""
+    ranks; `flat_grads`: inputs that are parts of a flat shard -> the part and its ranks.
+    Replicate guesses are left out of the document: the checker makes the same guess and
+    flags it."""
     axes = list(mesh)
     relations: list[dict[str, Any]] = []
     placed: dict[str, tuple[str, list[str] | None]] = {}
     guesses: list[str] = []
     held: dict[str, list[int]] = {}
+    flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]] = {}  # input -> its flat part, ranks
     rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
     for inp in seq_cv.graph["inputs"]:
         s = inp["name"]
@@ -304,6 +310,12 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                 check_groups(a, mesh, r, repr(local))
         ann = anns[min(anns)]
         rel: dict[str, Any] = {"from": s}
+        if ann is not None and ann.flat:
+            part, order = _flat_part(ann, s, local, mesh)
+            relations.append({"from": s, "layout": flat_layout(local, part, order)})
+            placed[s] = (local, None)
+            flat_grads[s] = (part, order)
+            continue
         if local != s:
             rel["input"] = local
         if ann is not None and ann.layout is not None:
@@ -329,7 +341,25 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         if any(p != "Replicate" for p in pl) or local != s:
             relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
-    return relations, placed, guesses, held
+    return relations, placed, guesses, held, flat_grads
+
+
+def _flat_part(ann: Annotation, s: str, local: str, mesh: dict[str, int]
+               ) -> tuple[tuple[str, int, tuple[int, ...]], list[int]]:
+    """The part `s` of flat shard `local` and the ranks holding its shards, in order: every
+    rank of a one-axis mesh (or of the world, no axis named)."""
+    (part,) = [f for f in ann.flat if f[0] == s]
+    axis = ann.flat_axis
+    if axis is not None and axis not in mesh:
+        raise CaptureError(f"{local!r} is annotated a flat shard along axis {axis!r}, which the mesh does not have "
+                           f"(axes: {', '.join(mesh)})")
+    if axis is not None and len(mesh) > 1:
+        raise CaptureError(f"{local!r} is a flat shard along axis {axis!r} of a mesh of several axes ({mesh}): refine "
+                           "relates flat shards over every rank only; shard over the whole world (axis=None)")
+    world = 1
+    for n in mesh.values():
+        world *= n
+    return part, list(range(world))
 
 
 def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str, Any]]) -> tuple[str, list[int]]:
@@ -337,12 +367,13 @@ def _local_name(s: str, ranks: dict[int, _Rank], rank_inputs: dict[int, dict[str
     and the ranks that hold it (all of them, unless the program is split into stages)."""
     found: dict[int, str] = {}
     for r, rk in ranks.items():
-        named = [n for n, a in rk.annotations.items() if a.seq == s]
+        named = [n for n, a in rk.annotations.items() if a.seq == s or any(f[0] == s for f in a.flat)]
         if len(named) > 1:
             raise CaptureError(f"rank {r}: {named} are all annotated as pieces of {s!r}")
         if named:
             found[r] = named[0]
-        elif s in rank_inputs[r] and not (rk.annotations.get(s) and rk.annotations[s].seq not in (None, s)):
+        elif s in rank_inputs[r] and not (rk.annotations.get(s) and (rk.annotations[s].seq not in (None, s)
+                                                                      or rk.annotations[s].flat)):
             found[r] = s
     if not found:
         raise CaptureError(f"sequential input {s!r} has no counterpart on any rank: no rank input has that name "
@@ -383,9 +414,11 @@ def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -
 
 
 def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
-                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]]) -> list[dict[str, Any]]:
+                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]],
+                  flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]]) -> list[dict[str, Any]]:
     """The loss is Replicate (or equal on each rank that computes one: a pipeline's last
-    stage); each gradient is placed like its parameter (equal on each rank holding it)."""
+    stage); each gradient is placed like its parameter (equal on each rank holding it; a
+    part of a flat shard's, in the flat gradient's shards as the part is in the parameter's)."""
     with_loss = [r for r, rk in sorted(ranks.items()) if rk.traced.has_loss]
     if not with_loss:
         raise CaptureError("no rank's step returns the loss (each returned None)")
@@ -411,6 +444,9 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
         if p in held:
             out.append({"output": f"{p}.grad", "layout": [f"{local}.grad@{r}" for r in holders]})
             continue
+        if p in flat_grads:
+            out.append({"output": f"{p}.grad", "layout": [flat_layout(f"{local}.grad", *flat_grads[p])]})
+            continue
         derived = _grad_placement(ranks, local, mesh)
         if derived is not None:  # a DTensor gradient: placed as the program's autograd made it
             pl = derived
@@ -423,6 +459,22 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
         if local != p:
             ex["local"] = f"{local}.grad"
         out.append(ex)
+    for p in seq_tr.updated:  # parameters the step updates in place: placed like the parameter
+        local, pl = placed[p]
+        name = updated_name(p)
+        holders = held.get(p, sorted(ranks))
+        for r in holders:
+            if local not in ranks[r].traced.updated:
+                raise CaptureError(f"the sequential step updates {p!r} in place but rank {r} leaves {local!r} as it was")
+        if p in held:
+            out.append({"output": name, "layout": [f"{updated_name(local)}@{r}" for r in holders]})
+        elif p in flat_grads:
+            out.append({"output": name, "layout": [flat_layout(updated_name(local), *flat_grads[p])]})
+        elif pl is not None and not any(x.startswith("Partial") for x in pl):
+            out.append({"output": name, "placements": pl} | ({"local": updated_name(local)} if local != p else {}))
+        else:
+            notes.append(f"{name}: no expected placement ({p!r} is not placed by Replicate/Shard); checked by the "
+                         "default")
     with_grad = {placed[p][0] for p in seq_tr.grads}
     for r, rk in sorted(ranks.items()):
         extra = [g for g in rk.traced.grads if g not in with_grad]
@@ -464,7 +516,8 @@ def _replay(step: Step, traced: Traced, conv: Converted, seq: Graph, registry: R
         notes.append(f"not replayed eagerly in float64 ({type(e).__name__}: {e})")
         return
     params = dict(model.named_parameters())
-    want = {"loss": loss.detach()} | {f"{p}.grad": params[p].grad for p in traced.grads}
+    want = {"loss": loss.detach()} | {f"{p}.grad": params[p].grad for p in traced.grads} | \
+        {updated_name(p): params[p].detach() for p in traced.updated}
     values = {name: v.detach() for name, _, v in traced.inputs} | conv.constants
     got = eval_graph(seq, registry, values)
     for o in seq.outputs:

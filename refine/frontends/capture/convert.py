@@ -591,6 +591,11 @@ def check_mutations(traced: Traced, where: str) -> None:
                         "capture follows only the tensor the in-place op returns", source_of(m))
 
 
+def updated_name(param: str) -> str:
+    """The output holding a parameter's value after the step updated it in place."""
+    return f"{param}.updated"
+
+
 def convert(traced: Traced, registry: Registry, where: str) -> Converted:
     check_mutations(traced, where)
     em = Emitter(registry, traced, where)
@@ -619,8 +624,15 @@ def convert(traced: Traced, registry: Registry, where: str) -> Converted:
     results = out.args[0]
     assert isinstance(results, (tuple, list))
     outputs = [{"name": "loss", "ref": em.value(results[0]), "role": "loss"}] if traced.has_loss else []
-    for p, g in zip(traced.grads, results[1:] if traced.has_loss else results, strict=True):
+    rest = list(results[1:] if traced.has_loss else results)
+    finals = rest[len(rest) - len(traced.finals):]
+    for p, g in zip(traced.grads, rest[:len(rest) - len(traced.finals)], strict=True):
         outputs.append({"name": f"{p}.grad", "ref": em.value(g), "role": "gradient", "of": p})
+    for p, v in zip(traced.finals, finals, strict=True):
+        ref = em.value(v)
+        if ref != p:  # changed in place by the step (an optimizer's update): its new value is an output
+            traced.updated.append(p)
+            outputs.append({"name": updated_name(p), "ref": ref, "role": "other"})
     for o in outputs:
         if not isinstance(o["ref"], str):
             raise CaptureError(f"{where}: output {o['name']!r} is the number {o['ref']!r}, not a tensor")

@@ -78,6 +78,10 @@ class Traced:
     # the step ran under DistributedDataParallel: its loss is its own batch shard's, and DDP's
     # gradient averaging makes the ranks' mean the objective (refine.frontends.capture.ddp)
     ddp: bool = False
+    # parameters whose value the step returns last, in order (the step may update them in
+    # place: an optimizer step); refine.frontends.capture.convert keeps those it changed
+    finals: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)  # of `finals`, those the step changed (set by convert)
 
 
 @contextmanager
@@ -236,7 +240,7 @@ def _marking_batches() -> Iterator[None]:
 def trace_step(step: Step, where: str) -> Traced:
     """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
     from refine.frontends.capture.annotate import annotation_of
-    from refine.frontends.capture.dtensor import Locals
+    from refine.frontends.capture.dtensor import Locals, is_dtensor
 
     if not isinstance(step, Step):
         raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
@@ -257,6 +261,7 @@ def trace_step(step: Step, where: str) -> Traced:
     refuse_untraceable_hooks(model, buffers, inputs, where, ddp.managed() if ddp is not None else set())
     grads: list[str] = []
     no_grad: list[str] = []
+    finals: list[str] = []
     has_loss: list[bool] = []
     # DTensors are traced as local tensors (refine.frontends.capture.dtensor)
     local = Locals(params | buffers | inputs)
@@ -284,6 +289,11 @@ def trace_step(step: Step, where: str) -> Traced:
                 out.append(local.grad(n, leaf.grad))
             elif params[n].requires_grad:
                 no_grad.append(n)
+        # each parameter's value after the step, to see an update made in place (an
+        # optimizer step); not for DTensor parameters, whose updates are not followed
+        if not any(is_dtensor(leaf) for leaf in leaves.values()):
+            finals.extend(leaves)
+            out.extend(leaves.values())
         return tuple(out)
 
     args = ([local.traced(n, p) for n, p in params.items()], [local.traced(n, b) for n, b in buffers.items()],
@@ -301,7 +311,7 @@ def trace_step(step: Step, where: str) -> Traced:
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
-                  local.grad_annotations, has_loss[-1], ddp is not None)
+                  local.grad_annotations, has_loss[-1], ddp is not None, finals)
 
 
 # ---------------------------------------------------------------------------------------
