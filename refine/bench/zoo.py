@@ -1,5 +1,6 @@
 """`make bench`: the model zoo (models/zoo) as a table: each program × configuration and each
-bug → verdict, whether the verdict is the expected one and the culprit line the bug's line,
+bug → verdict, whether the verdict is the expected one and the culprit line the bug's line
+(a known miss, `Bug.known_miss`, is counted apart: exit 1 only for a row not as expected),
 capture and check seconds, peak RSS. Each row runs in its own process (peak RSS is that
 row's; one program's process-group state cannot leak into the next). Writes bench_zoo.md.
 
@@ -34,7 +35,9 @@ def one(name: str, config: str, bug: str | None) -> dict[str, object]:
     want = "REFINES" if bug is None else "DOES NOT REFINE"
     line = report.culprit.rank_source if report.culprit is not None else None
     right = report.verdict == want and (bug is None or line in e.culprit_lines(bug))
-    return {"verdict": report.verdict, "right": right, "line": line, "capture": t1 - t0, "check": t2 - t1,
+    known = bool(bug is not None and report.verdict == want and not right and e.program.bugs[bug].known_miss)
+    return {"verdict": report.verdict, "right": right, "known": known, "line": line, "capture": t1 - t0,
+            "check": t2 - t1,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -60,7 +63,7 @@ def main(argv: list[str]) -> int:
         return 0
     table = ["| program | config | bug | verdict | right | culprit line | capture s | check s | peak RSS MiB |",
              "|---|---|---|---|---|---|---|---|---|"]
-    wrong = 0
+    wrong = known = 0
     for name, config, bug in rows(argv):
         cmd = [sys.executable, "-m", "refine.bench.zoo", "--one", name, config, bug or "-"]
         t0 = time.perf_counter()
@@ -75,11 +78,14 @@ def main(argv: list[str]) -> int:
             table.append(f"| {name} | {config} | {bug or ''} | error: {' '.join(err)[:120]} | no | | | "
                          f"{time.perf_counter() - t0:.1f} | |")
         else:
-            wrong += not r["right"]
-            table.append(f"| {name} | {config} | {bug or ''} | {r['verdict']} | {'yes' if r['right'] else 'NO'} "
+            wrong += not r["right"] and not r["known"]
+            known += r["known"]
+            ok = "yes" if r["right"] else "no (known miss)" if r["known"] else "NO"
+            table.append(f"| {name} | {config} | {bug or ''} | {r['verdict']} | {ok} "
                          f"| {r['line'] or ''} | {r['capture']:.1f} | {r['check']:.1f} | {r['rss']:.0f} |")
         print(table[-1], flush=True)
-    out = "\n".join(table) + f"\n\nrows not as expected: {wrong}\n"
+    out = "\n".join(table) + (f"\n\nrows not as expected: {wrong}; bugs whose report names another line, "
+                               f"known (Bug.known_miss): {known}\n")
     (ROOT / "bench_zoo.md").write_text(out)
     print(out)
     return 1 if wrong else 0
