@@ -10,6 +10,11 @@ $(BIN)/refine: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the zoo's torchtitan program (models/zoo/torchtitan_llama.py): --no-deps, since torchtitan
+	# pins a CUDA torch nightly; its model and parallelize code need only these (triton: imported
+	# at module level on torchtitan.models.llama3's import path)
+	$(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 \
+		docstring_parser==0.18.0 triton==3.9.0
 	touch $(BIN)/refine
 
 setup: $(BIN)/refine
