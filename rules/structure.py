@@ -267,6 +267,15 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                            "(< (multiset-count ms a) (multiset-length ms))", "(= (SumStop ms) false)"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
+        # the inverse for two terms scaled alike, only where their plain sum is a class
+        # already (SumPair): r x + r y is r (x + y), a rank's sum met by the sequential one
+        # carrying the ranks' 1/W on each term. Kept to existing sums, it makes no new sum
+        # (factoring out of any sum would meet scale-sum and make sums without end)
+        *(rule(f"sum-common-scale-{o}", ["(= e (Sum ms))", "(= (multiset-length ms) 2)", "(SumHas e a)",
+                                         "(= a (Scale x r))", "(SumHas e b)", "(= b (Scale y r))", "(!= a b)",
+                                         "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)",
+                                         f"(SumPair {p} u)"],
+               ["(union e (Scale u r))"]) for o, p in (("xy", "x y"), ("yx", "y x"))),
         # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
         # bias added on every rank, or halved on every rank, then summed). With scale-sum kept
         # off sums of copies, these meet no cycle that makes new factors without end
@@ -358,6 +367,10 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ExpandTo\" sh) ms)))"]),
         rewrite("expand-to", "(ExpandTo sh x)", "(expand x sh)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
+        # a concat of two pieces scaled alike is the concat scaled (the inverse of the unary
+        # Scale-over-cat): a sequential gradient whose pieces carry the ranks' 1/W factor
+        # meets a rank's product of the unscaled concat
+        rewrite("cat-scale-common", "(cat (Scale a r) (Scale b r) d)", "(Scale (cat a b d) r)"),
         rewrite("expand-scale", "(expand (Scale x r) s)", "(Scale (expand x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
@@ -440,6 +453,14 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("Sum", (u, Term("Scale", (u,), (Fraction(-1),)))))
         out.append(Term("Scale", (u,), (Fraction(0),)))
         out.append(Term("Scale", (Term("full", (), (0.0, shape)),), (k,)))
+        # a sum of two terms scaled alike beside their plain sum, in one seed (a rule is
+        # given the seeds holding its query's constructors)
+        x, y = gen.leaf(shape), gen.leaf(shape)
+        out.append(Term("cat", (Term("Sum", (Term("Scale", (x,), (k,)), Term("Scale", (y,), (k,)))),
+                                Term("Sum", (x, y))), (0,)))
+        # a concat of pieces scaled alike
+        d = r.randrange(2)
+        out.append(Term("cat", (Term("Scale", (gen.leaf(shape),), (k,)), Term("Scale", (gen.leaf(shape),), (k,))), (d,)))
     return out
 
 
