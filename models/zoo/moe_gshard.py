@@ -36,7 +36,18 @@ rank), "ep2_e2" (2 ranks, 2 experts). Bugs:
 - "router_grad_not_reduced": the router's gradient is left local, never averaged over the
   ranks (torchtitan #2387: the router's gradient not reduced, the replicas diverge).
 - "combine_wrong_expert_order": the returned expert outputs are laid out expert-major, as if
-  the all_to_all's chunks were ordered by expert instead of by source rank.
+  the all_to_all's chunks were ordered by expert instead of by source rank (a no-op with one
+  expert per rank, so built at "ep2"). DOES NOT REFINE, but the report names the combine
+  einsum (the first sequential node without a relation), not the reordering line: the
+  reordered tensor is still a clean permutation of the sequential slots, and no rank node
+  of the reorder's shape is a placement of a sequential tensor for the counterexample's
+  repair to try.
+
+The sequential model runs each group's gating and dispatch on its own (a loop over groups,
+as each rank runs one): a GShard `gsec` formulation with a group dim (G on the sequential
+side, 1 on each rank) does not refine yet, because torch's einsum then lowers the two sides
+through different permutes (a size-1 batch dim placed elsewhere than a larger one), which
+compose only as views (`torch.einsum("gse,gsm->gem")` with g sharded is the smallest such pair).
 
 A dropless variant (each expert takes every token routed to it: data-dependent sizes and
 uneven all_to_all splits) cannot be captured: capture traces static shapes only (see
@@ -70,8 +81,7 @@ PROGRAM = Program(
     smoke="ep2",
     bugs={
         "expert_grad_not_scaled": Bug(
-            "ep2", "expert gradients not divided by the EP size: 2x at EP=2 (pytorch #160285, megablocks #20)",
-            smoke=True),
+            "ep2", "expert gradients not divided by the EP size: 2x at EP=2 (pytorch #160285, megablocks #20)"),
         "router_grad_not_reduced": Bug(
             "ep2", "the router's gradient is never averaged over the ranks (torchtitan #2387)"),
         "combine_wrong_expert_order": Bug(
