@@ -225,7 +225,7 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     out: list[Term] = []
     for span in range(1, MAX_UNIT_SPAN + 1):
         for k in range(span + 1):
-            lead = gen.rng.choice([(), (2,)])
+            lead = gen.aux.choice([(), (2,)])  # the aux stream (structure.SEEDS says why)
             shape = lead + tuple(3 if q == k else 1 for q in range(span + 1))
             i, j = len(lead), len(lead) + span
             out += [Term("transpose", (gen.leaf(shape),), (i, j)), Term("transpose", (gen.leaf(shape),), (j, i))]
@@ -233,8 +233,8 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     for shape, split, d in (((6, 2), (3, 2, 2), 0), ((2, 4, 3), (2, 2, 2, 3), 1), ((4, 3), (2, 6), 0),
                             ((3, 2, 2), (6, 2), 0), ((2, 2, 2, 3), (2, 4, 3), 1), ((2, 6), (4, 3), 0)):
         k = max(1, split[d] // shape[d])  # a merged dim: slices at multiples of its inner factor
-        s = k * gen.rng.randrange(split[d] // k)
-        t = k * gen.rng.randint(s // k + 1, split[d] // k)
+        s = k * gen.aux.randrange(split[d] // k)
+        t = k * gen.aux.randint(s // k + 1, split[d] // k)
         out.append(Term("slice", (Term("view", (gen.leaf(shape),), (split,)),), (d, s, t)))
     return out
 

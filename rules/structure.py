@@ -453,13 +453,16 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("Sum", (u, Term("Scale", (u,), (Fraction(-1),)))))
         out.append(Term("Scale", (u,), (Fraction(0),)))
         out.append(Term("Scale", (Term("full", (), (0.0, shape)),), (k,)))
+        # a scale of a scale (scale-scale): one sure match, as the seeds above take room
+        # from the random generic ones that held it
+        out.append(Term("Scale", (Term("Scale", (gen.leaf(shape),), (k,)),), (Fraction(3, 2),)))
         # a sum of two terms scaled alike beside their plain sum, in one seed (a rule is
         # given the seeds holding its query's constructors)
         x, y = gen.leaf(shape), gen.leaf(shape)
         out.append(Term("cat", (Term("Sum", (Term("Scale", (x,), (k,)), Term("Scale", (y,), (k,)))),
                                 Term("Sum", (x, y))), (0,)))
         # a concat of pieces scaled alike
-        d = r.randrange(2)
+        d = gen.aux.randrange(2)  # the aux stream: the main one's draws stay what other seeds were made with
         out.append(Term("cat", (Term("Scale", (gen.leaf(shape),), (k,)), Term("Scale", (gen.leaf(shape),), (k,))), (d,)))
     return out
 
