@@ -12,6 +12,7 @@ more ranks (middle pieces padded on both sides) would need the same for nested c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -368,9 +369,13 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
         rewrite("expand-to", "(ExpandTo sh x)", "(expand x sh)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
         # a concat of two pieces scaled alike is the concat scaled (the inverse of the unary
-        # Scale-over-cat): a sequential gradient whose pieces carry the ranks' 1/W factor
-        # meets a rank's product of the unscaled concat
-        rewrite("cat-scale-common", "(cat (Scale a r) (Scale b r) d)", "(Scale (cat a b d) r)"),
+        # Scale-over-cat), only where the plain concat is a class already: a sequential
+        # gradient whose pieces carry the ranks' 1/W factor meets a rank's product of the
+        # unscaled concat (an expert-parallel all_to_all's). Only in cases with an exchange
+        # (Rule.needs): elsewhere it changed the terms extracted for later steps and moved a
+        # bundled twin's culprit off its line (megatron_mlp ln_grad_not_all_reduced)
+        replace(rule("cat-scale-common", ["(= e (cat (Scale a r) (Scale b r) d))", "(= c (cat a b d))"],
+                     ["(union e (Scale c r))"]), needs="exchange"),
         rewrite("expand-scale", "(expand (Scale x r) s)", "(Scale (expand x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
@@ -463,7 +468,9 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
                                 Term("Sum", (x, y))), (0,)))
         # a concat of pieces scaled alike
         d = gen.aux.randrange(2)  # the aux stream: the main one's draws stay what other seeds were made with
-        out.append(Term("cat", (Term("Scale", (gen.leaf(shape),), (k,)), Term("Scale", (gen.leaf(shape),), (k,))), (d,)))
+        a, b = gen.leaf(shape), gen.leaf(shape)
+        out.append(Term("Sum", (Term("cat", (Term("Scale", (a,), (k,)), Term("Scale", (b,), (k,))), (d,)),
+                                Term("cat", (a, b), (d,)))))
     return out
 
 
