@@ -10,6 +10,10 @@ those that hold for any such function that treats the rows along `dim` independe
   through (top-k of a token-sharded score matrix over the expert dim is the concat of the
   shards' top-k). Nothing ever relates values across `dim` itself.
 
+`argmax` (GShard's top-1 and top-2 gating) is the same kind of opaque row function: the core
+`argmax_k` keeps the reduced dim (torch returns the first largest value's position, so ties
+are specified); the user op views it.
+
 Ties: refine's `topk_*` are torch.topk (largest, sorted) and `sort_*` a stable ascending sort;
 a row's result is assumed to depend on the row only (true of torch's kernels on one device).
 Capture maps only `sort(stable=True)`: an unstable sort leaves the order of ties unspecified.
@@ -139,6 +143,38 @@ def _index_select(b: Builder, args: list[Arg], attrs: dict[str, Any], out: Tenso
     return b.emit("gather", [x, index], {"dim": d}, out)
 
 
+def _argmax_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    (x,) = ins
+    d, keep = attrs.get("dim"), attrs.get("keepdim") or False
+    if d is None:  # over the flattened tensor
+        return TensorType((1,) * x.ndim if keep else (), "int64")
+    _dim_ok(x, d, "argmax")
+    s = list(x.shape)
+    if keep:
+        s[d] = 1
+    else:
+        del s[d]
+    return TensorType(tuple(s), "int64")
+
+
+def _argmax_k_shape(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
+    return _argmax_shape(ins, {"dim": attrs["dim"], "keepdim": True})
+
+
+def _argmax(b: Builder, args: list[Arg], attrs: dict[str, Any], out: TensorType) -> str:
+    """argmax(x, dim, keepdim) is the kept-dim core argmax_k, viewed; over the flattened
+    tensor, argmax_k of x viewed as one row."""
+    (x,) = args
+    assert isinstance(x, str)
+    d = attrs.get("dim")
+    if d is None:
+        n: Any = 1
+        for k in b.type(x).shape:
+            n = sizes.mul(n, k)
+        x, d = b.view(x, (n,)), 0
+    return b.view(b.emit("argmax_k", [x], {"dim": d}), out.shape)
+
+
 def _same_shape_egg(op: str, args: str) -> str:
     return f"(rule ((= e ({op} x {args})) (= s (shape x))) ((set (shape e) s)))"
 
@@ -160,6 +196,13 @@ OPS = [
        ref=lambda x, dim: torch.sort(x, dim=dim, stable=True).indices, core=True,
        egglog_shape=_same_shape_egg("sort_indices", "d"),
        doc="aten.sort(stable=True) output 1: the stable sorting permutation along dim (opaque)"),
+    Op("argmax_k", 1, _argmax_k_shape, (("dim", "dim"),),
+       ref=lambda x, dim: torch.argmax(x, dim, keepdim=True), core=True,
+       egglog_shape="(rule ((= e (argmax_k x d)) (= s (shape x))) ((set (shape e) (vec-set s d (dim 1)))))",
+       doc="the position of the first largest value along dim, kept (opaque)"),
+    Op("argmax", 1, _argmax_shape, (("dim", "dim?"), ("keepdim", "bool?")),
+       ref=lambda x, dim=None, keepdim=False: torch.argmax(x, dim, keepdim=keepdim), decompose=_argmax,
+       doc="aten.argmax: the first largest value's position along dim (or in the flattened tensor)"),
     Op("scatter_src", 3, _scatter_src_shape, (("dim", "dim"),),
        ref=lambda x, idx, src, dim: torch.scatter(x, dim, idx.long(), src), core=True,
        egglog_shape=_same_shape_egg("scatter_src", "i v g"),
@@ -175,7 +218,8 @@ OPS = [
        doc="aten.index_select: args self, index (1-d); a gather with the index broadcast"),
 ]
 
-_OPAQUE = (("topk_values", "k g"), ("topk_indices", "k g"), ("sort_values", "g"), ("sort_indices", "g"))
+_OPAQUE = (("topk_values", "k g"), ("topk_indices", "k g"), ("sort_values", "g"), ("sort_indices", "g"),
+           ("argmax_k", "g"))
 
 
 def _opaque_rules() -> list[Rule]:
@@ -251,6 +295,11 @@ def _scatter(name: str) -> Any:
     return args
 
 
+def _argmax_sample(gen: Any, x: tuple[int, ...]) -> tuple[list[ArgSpec], tuple[Any, ...]]:
+    return [(x, "f", 0)], (gen.aux.randrange(len(x)),)  # the aux stream (structure.SEEDS says why)
+
+
 SAMPLES = {"topk_values": Sample(_topk, count=2), "topk_indices": Sample(_topk, count=2),
+           "argmax_k": Sample(_argmax_sample, count=2),
            "scatter_src": Sample(_scatter("scatter_src"), count=2),
            "scatter_acc": Sample(_scatter("scatter_acc"), count=3)}

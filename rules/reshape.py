@@ -147,8 +147,30 @@ OPS = [
 ]
 
 
+MAX_UNIT_SPAN = 4  # transposes of dims up to 4 apart (tensors of up to 5 dims)
+
+
+def _unit_transpose_rules() -> list[Rule]:
+    """A transpose whose spanned dims (its two and those between) hold at most one dim of
+    size other than 1 keeps every element at its row-major position: it is a view. A rank
+    holding one of the sequential model's blocks moves a size-1 dim where the sequential
+    model moves a larger one (`got.view(w, e, C, M).transpose(0, 1)` of a rank's one
+    expert, or of its one group), so only as views do the two sides' terms meet."""
+    out: list[Rule] = []
+    for span in range(1, MAX_UNIT_SPAN + 1):
+        for lo, hi in (("i", "j"), ("j", "i")):
+            for k in range(span + 1):  # the one spanned position that may have any size
+                units = [f"(= (vec-get sx (+ {lo} {q})) (dim 1))" for q in range(span + 1) if q != k]
+                out.append(rule(
+                    f"transpose-unit-dims-view-{span}-{k}{'' if lo == 'i' else '-rev'}",
+                    ["(= e (transpose x i j))", f"(= {hi} (+ {lo} {span}))", "(= sx (shape x))", *units],
+                    ["(union e (view x (vec-set (vec-set sx i (vec-get sx j)) j (vec-get sx i))))"]))
+    return out
+
+
 def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     return [
+        *_unit_transpose_rules(),
         # (pp s i): the product of the first i entries of a shape vector
         rule("prefix-product-start", ["(= s (shape x))"], ["(set (pp s 0) (dim 1))"], analysis=True),
         rule("prefix-product-step", ["(= p (pp s i))", "(< i (vec-length s))"],
@@ -169,10 +191,52 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
               "(= pre (pp si d))", "(= pre (pp so d2))", "(< d (vec-length si))", "(< d2 (vec-length so))",
               "(= (vec-get si d) (vec-get so d2))"],
              ["(union e (view (slice x d s t) (vec-set so d2 (d- t s))))"]),
+        # a slice along a dim of the view whose every index is k whole indices of the
+        # input's dim d (same elements before both; the view's inner block a multiple k of
+        # the input's): the outer factor of a split dim, [W*E, ..] viewed as [W, E, ..]
+        # and one rank's block taken, is a slice of k times the range, viewed
+        rule("slice-view-outer-dim",
+             ["(= e (slice v d2 s t))", "(= v (view x so))", "(= si (shape x))",
+              "(= pre (pp si d))", "(= pre (pp so d2))", "(< d (vec-length si))", "(< d2 (vec-length so))",
+              "(= n (pp si (vec-length si)))",
+              "(= inner-in (d/ n (pp si (+ d 1))))", "(= inner-out (d/ n (pp so (+ d2 1))))",
+              "(d-divides inner-in inner-out)", "(= k (d/ inner-out inner-in))", "(d!= k (dim 1))"],
+             ["(union e (view (slice x d (d* s k) (d* t k)) (vec-set so d2 (d- t s))))"]),
+        # and the other way: a slice along a dim of the view each of whose k indices make one
+        # index of the input's dim d (the input's inner block k times the view's), at bounds
+        # k divides: [W, E, ..] merged into [W*E, ..] and one rank's E rows taken
+        rule("slice-view-merged-dim",
+             ["(= e (slice v d2 s t))", "(= v (view x so))", "(= si (shape x))",
+              "(= pre (pp si d))", "(= pre (pp so d2))", "(< d (vec-length si))", "(< d2 (vec-length so))",
+              "(= n (pp si (vec-length si)))",
+              "(= inner-in (d/ n (pp si (+ d 1))))", "(= inner-out (d/ n (pp so (+ d2 1))))",
+              "(d-divides inner-out inner-in)", "(= k (d/ inner-in inner-out))", "(d!= k (dim 1))",
+              "(d-divides k s)", "(d-divides k t)"],
+             ["(union e (view (slice x d (d/ s k) (d/ t k)) (vec-set so d2 (d- t s))))"]),
     ]
 
 
 DECLS = ["(function pp (IV i64) Dim :merge old)"]
+
+
+def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Transposes over size-1 dims: each span, each position of the one dim of another size,
+    either order of the transpose's dims, behind a leading dim or not."""
+    out: list[Term] = []
+    for span in range(1, MAX_UNIT_SPAN + 1):
+        for k in range(span + 1):
+            lead = gen.aux.choice([(), (2,)])  # the aux stream (structure.SEEDS says why)
+            shape = lead + tuple(3 if q == k else 1 for q in range(span + 1))
+            i, j = len(lead), len(lead) + span
+            out += [Term("transpose", (gen.leaf(shape),), (i, j)), Term("transpose", (gen.leaf(shape),), (j, i))]
+    # slices of the outer factor of a split dim, behind a kept dim or not
+    for shape, split, d in (((6, 2), (3, 2, 2), 0), ((2, 4, 3), (2, 2, 2, 3), 1), ((4, 3), (2, 6), 0),
+                            ((3, 2, 2), (6, 2), 0), ((2, 2, 2, 3), (2, 4, 3), 1), ((2, 6), (4, 3), 0)):
+        k = max(1, split[d] // shape[d])  # a merged dim: slices at multiples of its inner factor
+        s = k * gen.aux.randrange(split[d] // k)
+        t = k * gen.aux.randint(s // k + 1, split[d] // k)
+        out.append(Term("slice", (Term("view", (gen.leaf(shape),), (split,)),), (d, s, t)))
+    return out
 
 
 def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export

@@ -12,6 +12,7 @@ more ranks (middle pieces padded on both sides) would need the same for nested c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
@@ -267,6 +268,15 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
                            "(< (multiset-count ms a) (multiset-length ms))", "(= (SumStop ms) false)"],
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ScaleBy\" r) ms)))"]),
         rewrite("scale-by", "(ScaleBy r x)", "(Scale x r)"),
+        # the inverse for two terms scaled alike, only where their plain sum is a class
+        # already (SumPair): r x + r y is r (x + y), a rank's sum met by the sequential one
+        # carrying the ranks' 1/W on each term. Kept to existing sums, it makes no new sum
+        # (factoring out of any sum would meet scale-sum and make sums without end)
+        *(rule(f"sum-common-scale-{o}", ["(= e (Sum ms))", "(= (multiset-length ms) 2)", "(SumHas e a)",
+                                         "(= a (Scale x r))", "(SumHas e b)", "(= b (Scale y r))", "(!= a b)",
+                                         "(multiset-contains ms a)", "(multiset-contains (multiset-remove ms a) b)",
+                                         f"(SumPair {p} u)"],
+               ["(union e (Scale u r))"]) for o, p in (("xy", "x y"), ("yx", "y x"))),
         # like terms collect: x + x is 2x, r1 x + r2 x is (r1 + r2) x, x + r x is (1 + r) x (a
         # bias added on every rank, or halved on every rank, then summed). With scale-sum kept
         # off sums of copies, these meet no cycle that makes new factors without end
@@ -358,6 +368,14 @@ def RULES(reg: Any) -> list:  # noqa: N802 - a rule file's export
              ["(union e (Sum (unstable-multiset-map (unstable-fn \"ExpandTo\" sh) ms)))"]),
         rewrite("expand-to", "(ExpandTo sh x)", "(expand x sh)"),
         rewrite("view-scale", "(view (Scale x r) s)", "(Scale (view x s) r)"),
+        # a concat of two pieces scaled alike is the concat scaled (the inverse of the unary
+        # Scale-over-cat), only where the plain concat is a class already: a sequential
+        # gradient whose pieces carry the ranks' 1/W factor meets a rank's product of the
+        # unscaled concat (an expert-parallel all_to_all's). Only in cases with an exchange
+        # (Rule.needs): elsewhere it changed the terms extracted for later steps and moved a
+        # bundled twin's culprit off its line (megatron_mlp ln_grad_not_all_reduced)
+        replace(rule("cat-scale-common", ["(= e (cat (Scale a r) (Scale b r) d))", "(= c (cat a b d))"],
+                     ["(union e (Scale c r))"]), needs="exchange"),
         rewrite("expand-scale", "(expand (Scale x r) s)", "(Scale (expand x s) r)"),
         # transposes
         rewrite("transpose-transpose", "(transpose (transpose x i j) i j)", "x"),
@@ -440,6 +458,19 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("Sum", (u, Term("Scale", (u,), (Fraction(-1),)))))
         out.append(Term("Scale", (u,), (Fraction(0),)))
         out.append(Term("Scale", (Term("full", (), (0.0, shape)),), (k,)))
+        # a scale of a scale (scale-scale): one sure match, as the seeds above take room
+        # from the random generic ones that held it
+        out.append(Term("Scale", (Term("Scale", (gen.leaf(shape),), (k,)),), (Fraction(3, 2),)))
+        # a sum of two terms scaled alike beside their plain sum, in one seed (a rule is
+        # given the seeds holding its query's constructors)
+        x, y = gen.leaf(shape), gen.leaf(shape)
+        out.append(Term("cat", (Term("Sum", (Term("Scale", (x,), (k,)), Term("Scale", (y,), (k,)))),
+                                Term("Sum", (x, y))), (0,)))
+        # a concat of pieces scaled alike
+        d = gen.aux.randrange(2)  # the aux stream: the main one's draws stay what other seeds were made with
+        a, b = gen.leaf(shape), gen.leaf(shape)
+        out.append(Term("Sum", (Term("cat", (Term("Scale", (a,), (k,)), Term("Scale", (b,), (k,))), (d,)),
+                                Term("cat", (a, b), (d,)))))
     return out
 
 

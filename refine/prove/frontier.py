@@ -283,6 +283,28 @@ def writes_back_near(prog: DistProgram, leaves: set[str], hops: int) -> bool:
     return False
 
 
+def exchanges_near(prog: DistProgram, leaves: set[str], hops: int) -> bool:
+    """Whether a rank sends one of `leaves` (through views, slices, concats) through an
+    all_to_all within `hops` uses: a re-layout (DeepSpeed-Ulysses' heads for sequence, an
+    expert-parallel dispatch), whose chunks, stacks, concats and views around the exchange
+    put the counterpart many uses away though no op but the exchange computes anything."""
+    layer = set(leaves)
+    seen = set(layer)
+    for _ in range(hops):
+        nxt: set[str] = set()
+        for x in sorted(layer):
+            for u in prog.users.get(x, ()):
+                node, d = prog.nodes.get(u), prog.defs.get(u)
+                if node is not None and node.op == "all_to_all":
+                    return True
+                if u in seen or d is None or d.op not in _WALK_OPS:
+                    continue
+                seen.add(u)
+                nxt.add(u)
+        layer = nxt
+    return False
+
+
 def _cat_of_own_buffer(prog: DistProgram, x: str) -> bool:
     d = prog.defs[x]
     assert d is not None

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # In the order the walk tries them on a node (see refine.prove.walk.infer for which apply where).
-STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back", "side")
+STRATEGIES: tuple[str, ...] = ("replay", "near", "wide", "deep", "carried", "write_back", "relayout", "side")
 
 
 @dataclass(frozen=True)

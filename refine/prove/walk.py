@@ -10,6 +10,8 @@ strategies, tried in order until one gives a clean relation (refine.prove.policy
 - `carried`: instead of `wide` over a carried mask's term, a step Policy.carry_hops deep;
 - `write_back`: where the ranks write the inputs' tensors back into a buffer, a step over
   the structural chain (refine.prove.frontier.frontier's `structural`);
+- `relayout`: where the ranks send the inputs' tensors through an all_to_all (a re-layout,
+  with chunks, concats and views around it), a step over the structural chain;
 - `side`: where a use's other operand is computed from available tensors by a few ops, a
   step with that chain along (refine.prove.frontier.frontier's `side`).
 
@@ -33,6 +35,7 @@ from refine.prove.engine import Engine
 from refine.prove.frontier import (
     ancestry,
     counterparts,
+    exchanges_near,
     frontier,
     users_of_class,
     with_replicas,
@@ -192,6 +195,18 @@ def _write_back(s: _Search) -> Found | None:
     return tensors, s.step(tensors)
 
 
+def _relayout(s: _Search) -> Found | None:
+    """The ranks exchange what the inputs relate to by an all_to_all, with chunks, stacks,
+    concats and views around it (Ulysses' heads for sequence and back, an expert dispatch):
+    retried once over the structural chain, where those ops cost no hop (only there, as for
+    a write-back)."""
+    w = s.walk
+    if OPAQUE in s.ops or not exchanges_near(w.prog, s.near, w.policy.wide_hops):
+        return None
+    tensors = s.frontier(s.hops[0], structural=True)
+    return tensors, s.step(tensors)
+
+
 def _side(s: _Search) -> Found | None:
     """A use whose other operand the ranks compute from available tensors by a few ops (a
     mask a rank makes from its labels per micro-batch, beside the value it masks): retried
@@ -212,6 +227,7 @@ _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("deep", _hop(lambda p: p.deep_hops, lambda p: p.deep_iterations)),
     Strategy("carried", _hop(lambda p: p.carry_hops)),
     Strategy("write_back", _write_back),
+    Strategy("relayout", _relayout),
     Strategy("side", _side),
 )}
 assert tuple(_BY_NAME) == STRATEGIES
@@ -250,7 +266,7 @@ class _Walk:
         """The strategies for the node, in order, until one gives a clean relation."""
         found: Found | None = None
         by = ""
-        for name in ["replay", *tries, "write_back", "side"]:
+        for name in ["replay", *tries, "write_back", "relayout", "side"]:
             if found is not None and found[1].clean:
                 break
             if not self.policy.uses(name):

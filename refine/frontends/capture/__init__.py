@@ -29,7 +29,8 @@ row-major).
 
 Tracing (refine.frontends.capture.trace): parameters and buffers become inputs named by their
 qualified names (`fc1.weight`); custom autograd Functions work. Collectives: the functional
-ones (`_c10d_functional.*`) and the legacy in-place `dist.*` ones; `dist.send`/`dist.recv`
+ones (`_c10d_functional.*`) and the legacy in-place `dist.*` ones (`dist.all_to_all_single(out,
+x)` writes `out`: its later readers read the exchange); `dist.send`/`dist.recv`
 become the format's send/recv (recv fills a buffer and returns nothing: its later readers
 are rewired to the received tensor); sends/recvs of one `dist.batch_isend_irecv` call share
 a `batch`.

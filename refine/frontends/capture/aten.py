@@ -32,6 +32,9 @@ from refine.frontends.capture.foreach import FOREACH_DECOMPOSITIONS
 from refine.ir.graph import Arg, TensorType, value_class
 
 DECOMPOSITIONS = core_aten_decompositions()
+# select_scatter (the backward of `y[:, i]`) is a slice_scatter of one position: kept whole
+# (SPECIAL) rather than aten's where(arange == i, ...) over the whole tensor
+del DECOMPOSITIONS[torch.ops.aten.select_scatter.default]
 # foreach ops: one op per tensor (refine.frontends.capture.foreach)
 DECOMPOSITIONS.update(FOREACH_DECOMPOSITIONS)
 # kept whole: refine's op (rules/aten_extra.py) accumulates rows the vocab-parallel rules
@@ -83,6 +86,11 @@ LEGACY_COLLECTIVES = {
     "c10d::broadcast_": "broadcast",
     "c10d::_allgather_base_": "all_gather",
     "c10d::_reduce_scatter_base_": "reduce_scatter",
+}
+# legacy collectives that write an output buffer and return only their work handle (like
+# `recv_`): the buffer's later readers are rewired to the collective's node
+LEGACY_WRITING = {
+    "c10d::alltoall_base_": "all_to_all",  # dist.all_to_all_single(output, input)
 }
 
 # point-to-point (pipeline stages): dist.send / dist.recv trace as these legacy ops
@@ -517,15 +525,29 @@ def _constant_pad_nd(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     return x
 
 
+def _select_scatter(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
+    """select_scatter(x, src, dim, index): x with position index along dim replaced by src
+    (the backward of a select): the slice_scatter of src unsqueezed there."""
+    x = em.value(a["self"])
+    shape = em.type(x).shape
+    d = _dim(a["dim"], len(shape))
+    i = a["index"] + shape[d] if a["index"] < 0 else a["index"]
+    src = em.emit("unsqueeze", [em.value(a["src"])], {"dim": d}, final=False, suffix="select")
+    return _scatter_slice(em, x, src, d, i, i + 1)
+
+
 def _slice_scatter(em: EmitterAPI, node: Any, a: dict[str, Any]) -> str:
     """slice_scatter(x, src, dim, start, end): x with that slice replaced by src (the backward
     of a slice), as a concat of x's pieces around src."""
     x, src = em.value(a["self"]), em.value(a["src"])
-    shape = em.type(x).shape
-    d, start, end = _bounds(a, shape)
-    n = shape[d]
+    d, start, end = _bounds(a, em.type(x).shape)
     if (a.get("step") or 1) != 1:
         raise em.fail(f"slice_scatter with step {a['step']}: refine slices take step 1")
+    return _scatter_slice(em, x, src, d, start, end)
+
+
+def _scatter_slice(em: EmitterAPI, x: Any, src: Any, d: int, start: int, end: int) -> str:
+    n = em.type(x).shape[d]
 
     def piece(lo: int, hi: int, what: str) -> str:
         if isinstance(x, str) and x in em.fills:  # a slice of a constant is a constant (zeros, mostly)
@@ -600,7 +622,7 @@ SPECIAL: dict[str, Handler] = {
     "full": _full, "full_like": _full, "zeros": _full, "zeros_like": _full, "ones": _full,
     "ones_like": _full, "scalar_tensor": _full, "new_full": _full, "new_zeros": _full, "new_ones": _full,
     "zero": _full, "fill": _full, "copy": _copy, "index_put": _index_put, "_unsafe_index_put": _index_put,
-    "slice": _slice, "slice_scatter": _slice_scatter, "select": _select, "cat": _cat, "stack": _stack,
+    "slice": _slice, "slice_scatter": _slice_scatter, "select_scatter": _select_scatter, "select": _select, "cat": _cat, "stack": _stack,
     "transpose": _transpose,
     "index": _index, "constant_pad_nd": _constant_pad_nd, "nll_loss_backward": _nll_loss_backward,
     "_log_softmax_backward_data": _log_softmax_backward_data,

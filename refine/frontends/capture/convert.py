@@ -228,7 +228,7 @@ class Emitter:
         if n not in self.counted:
             self.counted.add(n)
             self.aten_ops[f"{qual}.{overload}"] += 1
-        if qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.LEGACY_COLLECTIVES:
+        if qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.LEGACY_COLLECTIVES or qual in aten.LEGACY_WRITING:
             return self._collective(n, qual, a, path)
         if qual in aten.P2P:
             return self._p2p(n, qual, a)
@@ -299,12 +299,17 @@ class Emitter:
         x = next(v for v in a.values() if isinstance(v, fx.Node))
         src, out = x.meta["val"].dtype, n.meta["val"].dtype
         if src != out and _dtype_class(src) != _dtype_class(out):
-            if _dtype_class(out) == "float" and _dtype_class(src) in ("bool", "int"):
-                # keeps every value as a real number, but is not an identity (rules/cast.py)
+            if (_dtype_class(src), _dtype_class(out)) in (("bool", "float"), ("int", "float"), ("bool", "int")):
+                # widens the value class: keeps every value as a real number, but is not an
+                # identity (rules/cast.py)
                 return self.emit("cast", [self.value(x)], {"dtype": self.dtype(out)})
+            if _dtype_class(out) == "bool" and _dtype_class(src) in ("int", "float"):
+                # x.bool() is exactly x != 0 (GShard's dispatch mask is combine_weights.bool())
+                return self.emit("ne", [self.value(x), 0], {})
             raise self.fail(f"a cast from {src} to {out}: refine treats casts within one dtype class "
-                            "(floating to floating, integer to integer) as identities and casts from bool "
-                            "or integer to floating point as `cast`; other casts change values")
+                            "(floating to floating, integer to integer) as identities, casts from bool "
+                            "to integer or from either to floating point as `cast` and casts to bool as "
+                            "`x != 0`; other casts change values")
         return self.value(x)
 
     def _generic(self, n: fx.Node, name: str, a: dict[str, Any]) -> str:
@@ -369,8 +374,13 @@ class Emitter:
 
     def _collective(self, n: fx.Node, qual: str, a: dict[str, Any], path: tuple[int, ...]) -> str:
         legacy = qual in aten.LEGACY_COLLECTIVES
-        op = aten.LEGACY_COLLECTIVES[qual] if legacy else aten.FUNCTIONAL_COLLECTIVES[qual]
-        if legacy:
+        op = (aten.LEGACY_COLLECTIVES.get(qual) or aten.LEGACY_WRITING.get(qual)
+              or aten.FUNCTIONAL_COLLECTIVES[qual])
+        if qual in aten.LEGACY_WRITING:
+            if path:
+                raise self.fail(f"output {list(path)} of a legacy collective is used (its work handle?)")
+            x, group = a["input"], self._group(a["process_group"])
+        elif legacy:
             tensors = a.get("tensors")
             if tensors is not None and len(tensors) != 1:
                 raise self.fail(f"a collective over a list of {len(tensors)} tensors: refine takes one")
@@ -408,7 +418,7 @@ class Emitter:
                 raise self.fail(f"broadcast source {src} is not a rank of group {group}")
             attrs["src"] = group[src]
         attrs["group"] = group
-        val = n.meta["val"]
+        val = a["output"].meta["val"] if qual in aten.LEGACY_WRITING else n.meta["val"]
         for i in path:
             val = val[i]
         return self.emit(op, [self.value(x)], attrs, val=val)
@@ -527,8 +537,9 @@ def check_mutations(traced: Traced, where: str) -> None:
             continue
         schema = n.target._schema
         a = aten.bind(n.target, n.args, n.kwargs)
-        if schema.name == "c10d::recv_":  # writes its buffer and returns nothing: readers are rewired to it
-            (buf,) = a["tensors"]
+        if schema.name == "c10d::recv_" or schema.name in aten.LEGACY_WRITING:
+            # writes its buffer and returns nothing: readers are rewired to it
+            (buf,) = a["tensors"] if schema.name == "c10d::recv_" else (a["output"],)
             mutations.append((n, buf, True))
             storage[n], same[n] = storage[buf], same[buf]
             continue
@@ -565,7 +576,8 @@ def check_mutations(traced: Traced, where: str) -> None:
         # a tensor from outside the step (a plain attribute, a global) is a constant to the
         # trace, fetched anew at each read: a later read would not see the write, and a
         # collective into it would be communication silently dropped
-        if root.op == "get_attr" and (m.target._schema.name in aten.LEGACY_COLLECTIVES  # type: ignore[union-attr]
+        if root.op == "get_attr" and (m.target._schema.name in {**aten.LEGACY_COLLECTIVES,  # type: ignore[union-attr]
+                                                                 **aten.LEGACY_WRITING}
                                       or any(u.op == "get_attr" and u.target == root.target for u in nodes[p + 1:])):
             raise CaptureError(
                 f"{where}: {m.target} (FX node {m.name!r}, at {source_of(m)}) writes in place to a tensor that is not "
@@ -618,7 +630,7 @@ def convert(traced: Traced, registry: Registry, where: str) -> Converted:
             if qual in aten.LEGACY_COLLECTIVES:
                 tensors = aten.bind(n.target, n.args, n.kwargs).get("tensors")
                 em.output(n, (0, 0) if tensors is not None else (0,))
-            elif qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.P2P:
+            elif qual in aten.FUNCTIONAL_COLLECTIVES or qual in aten.P2P or qual in aten.LEGACY_WRITING:
                 em.output(n, ())
     (out,) = [n for n in nodes if n.op == "output"]
     results = out.args[0]

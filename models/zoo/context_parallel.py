@@ -1,0 +1,268 @@
+"""Context parallelism written as its users write it by hand with torch.distributed: a 2-layer
+causal transformer (pre-norm attention + MLP blocks), a whole training step, with either
+DeepSpeed-Ulysses attention or ring attention.
+
+Each rank holds a contiguous block of the sequence (tokens and targets); the parameters are
+replicated, their gradients summed over the ranks after backward (each rank's loss is its
+squared error over the global element count) and the loss summed.
+
+- **Ulysses** (DeepSpeed-Ulysses): q, k and v are computed for the rank's tokens, then an
+  all_to_all (`dist.all_to_all_single` in an autograd Function whose backward is the reverse
+  all_to_all) scatters the heads and gathers the sequence: each rank holds the whole sequence
+  for NH/W heads and runs ordinary causal attention on it; a second all_to_all scatters the
+  sequence and gathers the heads back before the output projection.
+- **Ring**: each rank's queries attend to every key block up to its own (causal: later blocks
+  are skipped, its own block masked by global positions). The key and value blocks are
+  all-gathered; the attention is an autograd Function that merges the blocks with the online
+  softmax (a running row max and sum, rescaled as each block raises the max) and computes the
+  backward flash-attention style from the merged log-sum-exp, reduce-scattering the key and
+  value gradients to the blocks' owners.
+
+Configurations: "ulysses_cp2" (4 heads, 2 per rank) and "ulysses_cp2_1head" (2 heads, 1 per
+rank). Two more are built by `make_case` but left out of PROGRAM, as they do not refine yet:
+"ulysses_cp4" (UNPROVEN at the scores' bmm: the structural search's free walks,
+Policy.struct_free, run out over four ranks' chunk/stack/all_to_all/unbind/concat chains;
+with more it proves further but its steps hit the e-graph budgets) and "ring_cp2" (UNPROVEN at
+the sequential scores `q @ k^T`: the ranks skip the key blocks after their own, so no rank
+holds the scores above the diagonal, which the sequential program only masks afterwards; a
+relation for a tensor held in part, whose unheld part a constant mask overwrites before any
+use, is what is missing). Bugs (the ring ones are built in "ring_cp2"):
+
+- "qkv_grad_not_reduced": the qkv projection's gradient is not summed over the ranks, as if
+  Ulysses made it head-parallel (the ranks of a sequence-parallel group left out of the
+  gradient reduction).
+- "ulysses_gather_wrong_dim": the output all_to_all gathers the heads along the head dim
+  instead of the head-count dim (its scatter/gather indices mixed up): the columns reach the
+  output projection out of order.
+- "ring_mask_local_positions": the causal mask of a key block is built from local positions
+  (arange of the block) for every block, missing the ranks' offsets: earlier blocks lose keys
+  they may see.
+- "ring_no_rescale": the running output and sum are not rescaled when a block raises the row
+  max (the online-softmax correction left out).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+from models.zoo import Bug, Program
+from refine import capture
+
+REQUIRES = ()
+
+T, H = 8, 8  # sequence length, hidden size
+LAYERS = 2
+
+PROGRAM = Program(
+    configs={
+        "ulysses_cp2": "DeepSpeed-Ulysses over 2 ranks, 4 heads (2 per rank)",
+        "ulysses_cp2_1head": "DeepSpeed-Ulysses over 2 ranks, 2 heads (1 per rank)",
+    },
+    smoke="ulysses_cp2",
+    bugs={
+        "qkv_grad_not_reduced": Bug(
+            "ulysses_cp2", "the qkv projection's gradient left unreduced over the Ulysses group, as if it were "
+            "head-parallel (the sequence-parallel ranks left out of the gradient reduction)"),
+        "ulysses_gather_wrong_dim": Bug(
+            "ulysses_cp2", "the output all_to_all gathers the heads along the wrong dim (Ulysses layout bugs)"),
+    },
+)
+
+# config -> (attention, ranks, heads); the ones not in PROGRAM do not refine yet (module docstring)
+_CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4), "ulysses_cp2_1head": ("ulysses", 2, 2),
+            "ulysses_cp4": ("ulysses", 4, 4), "ring_cp2": ("ring", 2, 4)}
+RING_BUGS = ("ring_mask_local_positions", "ring_no_rescale")  # bugs of the ring_cp2 configuration
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q, k, v [heads, T, D] over the whole sequence -> [heads, T, D]."""
+    n = q.shape[1]
+    scores = q @ k.transpose(1, 2) * q.shape[-1] ** -0.5
+    future = torch.ones(n, n, dtype=torch.bool).triu(1)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+
+
+class SeqAllToAll(torch.autograd.Function):
+    """DeepSpeed-Ulysses' exchange: x split into W chunks along `scatter`, chunk j sent to rank
+    j, the chunks received concatenated along `gather`; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scatter: int, gather: int, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.scatter, ctx.gather, ctx.group = scatter, gather, group
+        w = dist.get_world_size(group)
+        send = torch.stack(x.chunk(w, dim=scatter)).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return torch.cat(recv.unbind(0), dim=gather)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # noqa: ANN001
+        return SeqAllToAll.apply(grad, ctx.gather, ctx.scatter, ctx.group), None, None, None
+
+
+def _blocks(r: int, n: int, j: int, bug: str | None) -> torch.Tensor:
+    """The causal mask of rank r's query block against key block j (True: masked)."""
+    if bug == "ring_mask_local_positions":
+        q_pos, k_pos = torch.arange(n), torch.arange(n)  # BUG: ring_mask_local_positions
+    else:
+        q_pos, k_pos = r * n + torch.arange(n), j * n + torch.arange(n)
+    return k_pos[None, :] > q_pos[:, None]
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal softmax attention of this rank's query block [heads, n, D] over the key and value
+    blocks of ranks 0..r (the later ones are all masked)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # noqa: ANN001
+                bug: str | None) -> torch.Tensor:
+        r, n, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+        kf, vf = funcol.all_gather_tensor(k, 1, group), funcol.all_gather_tensor(v, 1, group)
+        out = total = m = None
+        for j in range(r + 1):
+            kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
+            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, bug), float("-inf"))
+            mj = s.amax(-1, keepdim=True)
+            e = torch.exp(s - mj)
+            if out is None:
+                out, total, m = e @ vj, e.sum(-1, keepdim=True), mj
+                continue
+            new = torch.maximum(m, mj)
+            if bug == "ring_no_rescale":
+                out = out + (e @ vj) * torch.exp(mj - new)  # BUG: ring_no_rescale
+                total = total + e.sum(-1, keepdim=True) * torch.exp(mj - new)
+            else:
+                out = out * torch.exp(m - new) + (e @ vj) * torch.exp(mj - new)
+                total = total * torch.exp(m - new) + e.sum(-1, keepdim=True) * torch.exp(mj - new)
+            m = new
+        lse = m + torch.log(total)
+        ctx.save_for_backward(q, kf, vf, lse)
+        ctx.group, ctx.bug = group, bug
+        return out / total
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # noqa: ANN001
+        q, kf, vf, lse = ctx.saved_tensors
+        group = ctx.group
+        w, r, n, scale = dist.get_world_size(group), dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+        ps, dps = [], []
+        for j in range(r + 1):
+            kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
+            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, ctx.bug), float("-inf"))
+            ps.append(torch.exp(s - lse))  # block j of the whole row's softmax
+            dps.append(dout @ vj.transpose(1, 2))
+        d = sum((dp * p).sum(-1, keepdim=True) for dp, p in zip(dps, ps, strict=True))
+        dq = torch.zeros_like(q)
+        dks, dvs = [], []
+        for j in range(w):
+            if j > r:  # a later block: no query here sees it
+                dks.append(torch.zeros_like(q))
+                dvs.append(torch.zeros_like(q))
+                continue
+            kj = kf[:, j * n:(j + 1) * n]
+            ds = ps[j] * (dps[j] - d) * scale
+            dq = dq + ds @ kj
+            dks.append(ds.transpose(1, 2) @ q)
+            dvs.append(ps[j].transpose(1, 2) @ dout)
+        dk = funcol.reduce_scatter_tensor(torch.cat(dks, 1), "sum", 1, group)
+        dv = funcol.reduce_scatter_tensor(torch.cat(dvs, 1), "sum", 1, group)
+        return dq, dk, dv, None, None
+
+
+class Attention(nn.Module):
+    """Multi-head causal attention; `mode` None: the whole sequence here (the sequential
+    model), else this rank's block of it under "ulysses" or "ring"."""
+
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.mode, self.bug = heads, mode, bug
+        self.qkv = nn.Linear(H, 3 * H, bias=False)
+        self.proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, H] -> [tokens, H]."""
+        tokens = x.shape[0]
+        q, k, v = (t.reshape(tokens, self.heads, -1).transpose(0, 1)  # [heads, tokens, D]
+                   for t in self.qkv(x).chunk(3, dim=-1))  # BUG: qkv_grad_not_reduced
+        group = dist.group.WORLD
+        if self.mode is None:
+            o = causal_attention(q, k, v)
+        elif self.mode == "ulysses":
+            # heads scattered, sequence gathered: [NH/W, T, D], ordinary attention on it
+            q, k, v = (SeqAllToAll.apply(t, 0, 1, group) for t in (q, k, v))
+            o = causal_attention(q, k, v)
+            if self.bug == "ulysses_gather_wrong_dim":
+                o = SeqAllToAll.apply(o, 1, 2, group)  # BUG: ulysses_gather_wrong_dim
+            else:
+                o = SeqAllToAll.apply(o, 1, 0, group)  # sequence scattered, heads gathered back
+        else:
+            o = RingAttention.apply(q, k, v, group, self.bug)
+        return self.proj(o.transpose(0, 1).reshape(tokens, H))
+
+
+class Block(nn.Module):
+    def __init__(self, heads: int, mode: str | None, bug: str | None) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
+        self.attn = Attention(heads, mode, bug)
+        self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Model(nn.Module):
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Block(heads, mode, bug) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def train_step(model: Model, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    loss = F.mse_loss(model(x), target)
+    loss.backward()
+    return loss
+
+
+def cp_train_step(model: Model, x: torch.Tensor, target: torch.Tensor, bug: str | None = None) -> torch.Tensor:
+    """Each rank's squared error over its tokens, over the global element count: the
+    gradients and the loss are summed over the ranks."""
+    loss = F.mse_loss(model(x), target, reduction="sum") / (x.shape[0] * dist.get_world_size() * H)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if not (bug == "qkv_grad_not_reduced" and name.endswith("qkv.weight")):
+            dist.all_reduce(p.grad)
+    return funcol.all_reduce(loss.detach(), "sum", dist.group.WORLD)
+
+
+def make_case(config: str, bug: str | None = None) -> capture.Spec:
+    if config not in _CONFIGS:
+        raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(_CONFIGS)})")
+    if bug is not None and bug not in PROGRAM.bugs and bug not in RING_BUGS:
+        raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(PROGRAM.bugs)}, {', '.join(RING_BUGS)})")
+    mode, world, heads = _CONFIGS[config]
+    torch.manual_seed(0)
+    seq = Model(heads)
+    x, target = torch.randn(T, H), torch.randn(T, H)
+    n = T // world
+
+    def rank(r: int) -> capture.Step:
+        model = Model(heads, mode, bug)
+        model.load_state_dict(seq.state_dict())
+        for p in model.parameters():
+            capture.replicate(p)
+        shard = {k: capture.shard(v[r * n:(r + 1) * n], 0, "cp") for k, v in (("x", x), ("target", target))}
+        return capture.Step(model, lambda m, **kw: cp_train_step(m, **kw, bug=bug), shard)
+
+    return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "target": target}), rank=rank,
+                        world_size=world, mesh={"cp": world},
+                        name=f"context_parallel_{config}{'_bug_' + bug if bug else ''}")
