@@ -63,7 +63,6 @@ def test_each_program_states_its_configurations_and_marks_its_bugs(name: str) ->
             assert bug in marked, f"bug {bug!r}: no line of {e.path.name} is marked `# BUG: {bug}`"
         else:
             assert e.culprit_lines(bug), f"bug {bug!r}: no line of {b.upstream[0]} holds {b.upstream[1]!r}"
-    assert set(marked) <= set(p.bugs), "only bugs of PROGRAM.bugs are marked"
     with pytest.raises(ValueError, match="unknown bug"):
         e.make_case(p.smoke, bug="no_such_bug")
     with pytest.raises(ValueError, match="unknown configuration"):
