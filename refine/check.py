@@ -389,6 +389,12 @@ def _default(name: str, role: str, rel: Term, prog: DistProgram, engine: Engine,
     ndim = len(seq.type_of(seq.output(name).ref).shape)
     made = {f"{o.name}@{r}" for r, g in dist.ranks.items() for o in g.outputs}
     standard = expectation_options(dist, name, ndim, made)
+    copies_equal = len({prog.same.find(prog.outputs.get(f"{name}@{r}", f"{name}@{r}")) for r in dist.ranks}) == 1
+    if standard is not None and copies_equal:
+        # every rank makes the same tensor: summing those copies makes world times one of
+        # them, no partial sum of the output (a value halved on every rank is a bug)
+        standard = [(pl, ts) for pl, ts in standard
+                    if not any(p.kind == "partial" and p.reduce == "sum" for p in pl or ())]
     if standard is not None:
         options = [(pl, [_as_out(t) for t in ts]) for pl, ts in standard]
         # how the ranks' copies are made from what the relation names (as _explicit does)

@@ -57,8 +57,7 @@ def _ref(idx: torch.Tensor, v: torch.Tensor, start: int, shape: tuple[int, ...])
 OPS = [
     Op("acc_rows", 2, _shape, (("start", "size"), ("shape", "shape")), ref=_ref, core=True,
        egglog_shape="(rule ((= e (acc_rows i v s sh))) ((set (shape e) sh)))",
-       doc="a table of `shape` whose row j sums the values where index == start + j (others add nothing)",
-       linear="first"),
+       doc="a table of `shape` whose row j sums the values where index == start + j (others add nothing)"),
 ]
 
 # the window's mask on ids t: outside [lo, lo + n), n the table's rows (float bounds, as the
