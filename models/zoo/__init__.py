@@ -66,7 +66,6 @@ class Program:
             if bug.config not in self.configs:
                 raise ValueError(f"bug {name!r}: configuration {bug.config!r} is not one of {sorted(self.configs)}")
 
-
     def validate(self, config: str, bug: str | None) -> None:
         """A program's make_case refuses an unknown configuration or bug, saying which exist (a
         bug may be built in any configuration; `Bug.config` is the one the zoo checks)."""
@@ -97,12 +96,7 @@ class Entry:
 
     def marked(self) -> dict[str, set[str]]:
         """bug -> the "file.py:N" lines of the program's file marked `# BUG: <bug>`."""
-        out: dict[str, set[str]] = {}
-        for i, line in enumerate(self.path.read_text().splitlines(), 1):
-            _, hash_, comment = line.partition("#")
-            for bug in re.findall(r"\bBUG: (\w+)", comment) if hash_ else ():
-                out.setdefault(bug, set()).add(f"{self.path.name}:{i}")
-        return out
+        return marked_lines(self.path)
 
     def culprit_lines(self, bug: str) -> set[str]:
         """The "file.py:N" lines a report of `bug` may name (see the module docstring)."""
@@ -110,6 +104,17 @@ class Entry:
         if up is None:
             return self.marked().get(bug, set())
         return upstream_lines(*up)
+
+
+def marked_lines(path: Path) -> dict[str, set[str]]:
+    """bug -> the "file.py:N" lines of a program file whose comment marks `BUG: <bug>`
+    (the zoo's programs and models/capture's twins)."""
+    out: dict[str, set[str]] = {}
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        _, hash_, comment = line.partition("#")
+        for bug in re.findall(r"\bBUG: (\w+)", comment) if hash_ else ():
+            out.setdefault(bug, set()).add(f"{path.name}:{i}")
+    return out
 
 
 def upstream_lines(file: str, snippet: str) -> set[str]:

@@ -19,6 +19,7 @@ from types import ModuleType
 
 import pytest
 
+from models.zoo import marked_lines
 from refine import capture
 from tests.helpers.capture import MODELS, load_model
 
@@ -34,12 +35,7 @@ def module(name: str) -> ModuleType:
 
 def marked(name: str) -> dict[str, set[str]]:
     """bug -> the "file.py:N" lines of models/capture/<name>.py marked `# BUG: <bug>`."""
-    out: dict[str, set[str]] = {}
-    for i, line in enumerate((MODELS / f"{name}.py").read_text().splitlines(), 1):
-        _, hash_, comment = line.partition("#")
-        for bug in re.findall(r"\bBUG: (\w+)", comment) if hash_ else ():
-            out.setdefault(bug, set()).add(f"{name}.py:{i}")
-    return out
+    return marked_lines(MODELS / f"{name}.py")
 
 
 TWINS = [(m, b) for m in MODULES for b in module(m).BUGS]
