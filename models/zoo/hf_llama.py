@@ -47,7 +47,7 @@ PROGRAM = Program(
     smoke="tp2",
     bugs={
         "o_proj_partial": Bug(
-            config="tp2",
+            config="tp2", smoke=True,
             what="a custom plan entry leaves o_proj's output Partial: the row-parallel partial sums are never "
                  "all-reduced",
             upstream=("modeling_llama.py", "hidden_states = residual + hidden_states")),

@@ -56,7 +56,7 @@ PROGRAM = Program(
         "unreduced_grad": Bug("dp3", "the backward keeps this rank's slice of its local flat gradient: the "
                               "reduce-scatter is missing and each rank steps on an unreduced gradient"),
         "pad_at_front": Bug("dp4", "the unflatten drops the padding from the front of the gathered buffer instead "
-                            "of its end: every parameter is read at an offset off by the padding"),
+                            "of its end: every parameter is read at an offset off by the padding", smoke=True),
     },
 )
 
