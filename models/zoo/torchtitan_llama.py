@@ -74,19 +74,13 @@ PROGRAM = Program(
             what="the vocab-sharded logits gathered by hand with the autograd all-gather, whose backward "
                  "reduce-scatters (sums) a gradient every rank already holds whole: every gradient is tp "
                  "times too large (the kind of pytorch #160285's 2x expert gradients at EP=2)",
-            smoke=False,
-            known_miss="every gradient is off by the factor tp; localization stops at the first backward node "
-                       "with no clean relation (the final RMSNorm's, decoder.py:240), before the constant-factor "
-                       "search reaches the gather"),
+            smoke=False),
         "loss_shard_tokens": Bug(
             config="tp2_sp",
             what="the summed loss divided by the valid tokens of this rank's sequence shard, not of the "
                  "batch: the loss and every gradient tp times too large (torchtitan's token-count "
                  "normalization, global_valid_tokens, exists for this kind of bug under DP/CP)",
-            smoke=False,
-            known_miss="the ranks never count the batch's tokens: the report names the sequential count "
-                       "(line 151) as the first node with no rank counterpart, not the rank's division by its "
-                       "shard's count"),
+            smoke=False),
     },
 )
 

@@ -21,7 +21,8 @@ sequential mean halves each, next to a term that is right), the checker reads `c
 relations instead (`wrong_factor(factor=...)`).
 
 Candidate lines, besides the literals above: a `full` constant other than 1, a `mean` (1 / its
-element count), or a SUM/AVG reduction whose flip multiplies by exactly `c`. Order: lines the
+element count), a SUM/AVG reduction whose flip multiplies by exactly `c`, or a division by one
+computed number (a loss over a token count: the edit scales its quotient by `c`). Order: lines the
 edit turns into a scale by exactly 1 first (a division the program should not do at all: an
 AVG reduction could always absorb the same factor), then by distance in ops from the failing
 outputs. A line with a node the relations prove equal to a sequential tensor is never
@@ -120,6 +121,16 @@ def _mean_factor(n: Node, g: Graph) -> Fraction | None:
     return Fraction(1, k) if k > 1 else None
 
 
+def _normalizer(n: Node, g: Graph) -> bool:
+    """A division by one computed number (a token count, a batch size read off a tensor): a
+    constant factor whose value is data, as a loss normalized by the wrong count is wrong."""
+    args = n.tensor_args()
+    if n.op != "div" or len(args) != 2 or args[1] != n.args[1]:
+        return False
+    shape = g.type_of(args[1]).shape
+    return all(isinstance(d, int) for d in shape) and math.prod(shape) == 1
+
+
 def _factor(n: Node, g: Graph) -> Fraction | None:
     """The constant factor a candidate line's node scales by (its literal's, or its mean's)."""
     lit = _literal_factor(n)
@@ -130,7 +141,7 @@ def _edited(n: Node, c: Fraction) -> list[Node]:
     """The node(s) computing the node's value with its constant factor multiplied by c."""
     if n.op in REDUCTIONS:
         return [replace(n, attrs={**n.attrs, "reduce_op": "sum" if n.attrs.get("reduce_op") == "avg" else "avg"})]
-    if n.op == "mean":  # the mean, then times c, under the node's name
+    if n.op == "mean" or _literal_factor(n) is None:  # a mean or a computed divisor: then times c
         inner = replace(n, name=f"{n.name}.unscaled")
         return [inner, Node(n.name, "mul", [inner.name, float(c)], {}, n.type, n.source, n.origin)]
     lit = _literal_factor(n)
@@ -227,6 +238,8 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                     groups.setdefault((n.source, f"{n.op} {n.attrs['reduce_op']}"), []).append((r, n))
             elif (f := _factor(n, g)) is not None and f != 1:  # a 1 scales nothing (a backward seed)
                 groups.setdefault((n.source, str(f)), []).append((r, n))
+            elif _normalizer(n, g):
+                groups.setdefault((n.source, "a computed divisor"), []).append((r, n))
     ranked = []
     for key, members in groups.items():
         near = [(dist_of[(r, n.name)], r, n.name) for r, n in members if (r, n.name) in dist_of]
@@ -259,10 +272,10 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             if node.op in REDUCTIONS:
                 desc = f"{node.op} with {'SUM' if node.attrs['reduce_op'] == 'avg' else 'AVG'} instead of " \
                        f"{node.attrs['reduce_op'].upper()}"
-            else:
-                f = _factor(node, dist.ranks[r])
-                assert f is not None
+            elif (f := _factor(node, dist.ranks[r])) is not None:
                 desc = f"its factor {f} times {c} = {f * c}"
+            else:  # a computed divisor
+                desc = f"its quotient by {node.args[1]} times {c}: the divisor is {c} times what it should be"
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
                                sorted(failing))
     return None

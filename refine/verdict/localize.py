@@ -16,9 +16,11 @@ report's. The culprit, among the ancestors of a failing output, in this order:
 3. else the node that produces the failing output, and the rank node that makes the rank
    output (a reduction with the wrong op, say);
 4. then, when every failing output is one constant `c != 1` times what its expectation
-   wants, the wrong-constant search of `refine.verdict.factor`; and when the node of rule 2
-   is over a fused value no rank holds (a global norm), the missing-reduction search of
-   `refine.verdict.missing_reduce`. Either names the rank line at fault as `source`,
+   wants, the wrong-constant search of `refine.verdict.factor` (after rule 3, and after rule
+   2 too: a scale is a clean relation, so a wrong factor is carried along until an op where
+   the scaled pieces no longer combine, far from where it entered); and when the node of
+   rule 2 is over a fused value no rank holds (a global norm), the missing-reduction search
+   of `refine.verdict.missing_reduce`. Either names the rank line at fault as `source`,
    `rank_node`, `rank_source`, and keeps the sequential node's own line as `seq_source`.
 
 Fused nodes (`Op.fuse`) and carried bool/int nodes (a mask every rank computes only for its
@@ -110,6 +112,16 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
                 rank_node, rank_source, why = missing
                 reason += f"; {why}"
                 wrong = (rank_node, rank_source, why)
+        if sent is None and wrong is None and dist is not None:
+            # every failing output off by one constant: a scale is a clean relation, so the
+            # relations carry the wrong factor on (1/2 * x@0) until an op where the scaled
+            # pieces no longer combine, which is not where the factor entered; a single line
+            # whose constant, edited, makes every output right is (rule 4)
+            found = _wrong_factor(seq, dist, registry, failing, inf, prog)
+            if found is not None:
+                rank_node, rank_source, edit, lead = found
+                reason += f"; {lead}, and the rank programs scale by a wrong constant at {rank_source}: {edit}"
+                wrong = (rank_node, rank_source, edit)
     else:
         target = min((refs[r.name] for r in failing), key=lambda n: order.get(n, -1))
         first = next(r for r in failing if refs[r.name] == target)

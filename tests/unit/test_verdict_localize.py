@@ -194,3 +194,60 @@ def test_terms_weighted_wrong_are_found_at_the_mean(tmp_path: Path) -> None:
     assert c is not None and c.source == c.rank_source == "f.py:3", c
     assert c.rank_node is not None and c.rank_node.split(".")[0] in ("m0", "m1"), c.rank_node
     assert "1/4 times 1/2 = 1/8" in c.reason and c.seq_source == "f.py:7", c.reason
+
+
+def _token_mean(tmp: Path, counted: str) -> object:
+    """A loss summed over x (4 x 2, rows sharded on 2 ranks), all-reduced, divided by the count
+    of labels t (2 x 4, on every rank whole) that are not -1. `counted`: "batch" counts all of t
+    (right); "shard" counts the rank's own columns of t (f.py:5 divides by it): every output
+    twice what it should be, and the sequential count of the batch has no rank counterpart."""
+    import json
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [4, 2], "role": "data"},
+                   {"name": "t", "shape": [2, 4], "dtype": "int64", "role": "data"}],
+        "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:1"},
+                  {"name": "v", "op": "ne", "args": ["t", -1], "shape": [2, 4], "dtype": "bool", "source": "f.py:2"},
+                  {"name": "k", "op": "sum", "args": ["v"], "attrs": {"dim": []}, "shape": [], "dtype": "int64",
+                   "source": "f.py:2"},
+                  {"name": "m", "op": "div", "args": ["s", "k"], "shape": [], "source": "f.py:5"}],
+        "outputs": [{"name": "loss", "ref": "m", "role": "loss"}]}}
+
+    def rank(r: int) -> dict:
+        mine = [{"name": "tt", "op": "slice", "args": ["t"], "shape": [2, 2], "dtype": "int64", "source": "f.py:4",
+                 "attrs": {"dim": 1, "start": 2 * r, "end": 2 * r + 2}}] if counted == "shard" else []
+        n = 2 if counted == "shard" else 4
+        nodes = [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:1"},
+                 {"name": "ss", "op": "all_reduce", "args": ["s"], "shape": [], "source": "f.py:3",
+                  "attrs": {"reduce_op": "sum", "group": [0, 1]}}, *mine,
+                 {"name": "v", "op": "ne", "args": ["tt" if mine else "t", -1], "shape": [2, n], "dtype": "bool",
+                  "source": "f.py:4"},
+                 {"name": "k", "op": "sum", "args": ["v"], "attrs": {"dim": []}, "shape": [], "dtype": "int64",
+                  "source": "f.py:4"},
+                 {"name": "m", "op": "div", "args": ["ss", "k"], "shape": [], "source": "f.py:5"}]
+        return {"inputs": [{"name": "x", "shape": [2, 2], "role": "data"},
+                           {"name": "t", "shape": [2, 4], "dtype": "int64", "role": "data"}],
+                "nodes": nodes, "outputs": [{"name": "loss", "ref": "m", "role": "loss"}]}
+
+    dist = {"format": "refine-graph", "version": 1, "kind": "distributed", "mesh": {"axes": [{"name": "dp", "size": 2}]},
+            "ranks": [{"rank": r, "graph": rank(r)} for r in (0, 1)],
+            "relations": [{"from": "x", "placements": ["Shard(0)"]}, {"from": "t", "placements": ["Replicate"]}],
+            "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]}]}
+    (tmp / "seq.json").write_text(json.dumps(seq))
+    (tmp / "dist.json").write_text(json.dumps(dist))
+    return tmp / "seq.json", tmp / "dist.json"
+
+
+def test_a_loss_over_the_wrong_count_is_found_at_its_division(tmp_path: Path) -> None:
+    """The wrong constant can be data: a division by a computed count whose quotient, scaled
+    by the factor every output is off by, repairs every output is the culprit line."""
+    from refine.verdict.factor import wrong_factor
+
+    assert check_files(*_token_mean(tmp_path, "batch")).refines
+    paths = _token_mean(tmp_path, "shard")
+    report = check_files(*paths)
+    assert not report.refines and report.culprit is not None and report.culprit.source == "f.py:5", report.culprit
+    seq = load_seq(paths[0], REG)
+    found = wrong_factor(seq, load_dist(paths[1], REG, seq), REG, ["loss"])
+    assert found is not None and (found.source, found.node, found.factor) == ("f.py:5", "m", Fraction(1, 2)), found
+    assert found.edit.startswith("its quotient by k times 1/2"), found.edit
