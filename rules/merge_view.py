@@ -12,6 +12,13 @@ product of the unmerged tensors, whose head dim is an ordinary concat. The seque
 product then relates to the ranks' through `view(cat(view(bmm@0, [b, h/2, ..]), ..))`, with
 a rank tensor's unmerged form read back by the inverse view (`view-inverse-rank`).
 
+The same holds for rows: Megatron's [s, b, h] activations under data parallelism (or
+micro-batches) split b, the inner factor of a Linear's [s*b, h] rows. A product with a
+matrix acts on each row, so it moves inside the merge (`matmul-rows-of-merged-view`), and a
+weight gradient's contraction over the merged rows sums one outer product per row, so both
+sides' rows may be reordered alike, b outer (`contract-merged-rows-reordered`), where the
+concat of the rank pieces is an ordinary one.
+
 `v = view(x, s)` merges x's dims p, p+1 into s's dim p when s is x's shape with those two
 entries replaced by their product: the test is exact shape arithmetic (`d*`), so with
 symbolic sizes it holds for every value of the symbols (refine.ir.sizes).
@@ -70,6 +77,25 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
                      "(= (vec-get s1 (- n1 1)) (vec-get sa (- na 1)))", "(= (vec-get s1 (- n1 2)) (vec-get sa (- na 2)))",
                      "(= (vec-get s2 (- n1 1)) (vec-get sb (- na 1)))", "(= (vec-get s2 (- n1 2)) (vec-get sb (- na 2)))"],
                     ["(union e (view (matmul a b) (vec-set s1 (- n1 1) (vec-get sb (- na 1)))))"]))
+    # a product with a matrix acts on rows (the last dim): a view that only merges leading
+    # dims keeps every row whole, so the product of the view is the view of the product of
+    # the unmerged tensor ([S, B, H] activations under data parallelism: the batch, dim 1, is
+    # the inner factor of the merged rows, and the unmerged product splits along it)
+    out.append(rule("matmul-rows-of-merged-view",
+                    ["(= e (matmul v b))", "(= v (view x s))", "(= (ndim b) 2)", "(= sx (shape x))",
+                     "(= sb (shape b))", "(= n (vec-length s))", "(< n (vec-length sx))",
+                     "(= (vec-get s (- n 1)) (vec-get sx (- (vec-length sx) 1)))"],
+                    ["(union e (view (matmul x b) (vec-set s (- n 1) (vec-get sb 1))))"]))
+    # a contraction over merged rows ([S, B, H1]^T [S, B, H2], a weight's gradient) sums one
+    # outer product per row: reordering the rows alike on both sides changes nothing, so the
+    # batch (the inner factor) may become the outer one, whose concat the merge then splits
+    out.append(rule("contract-merged-rows-reordered",
+                    ["(= e (matmul t vb))", "(= t (transpose va 0 1))", "(= va (view a s1))", "(= vb (view b s2))",
+                     "(= sa (shape a))", "(= sb (shape b))", "(= 3 (vec-length sa))", "(= 3 (vec-length sb))",
+                     "(= 2 (vec-length s1))", "(= 2 (vec-length s2))",
+                     "(= (vec-get sa 0) (vec-get sb 0))", "(= (vec-get sa 1) (vec-get sb 1))",
+                     "(= (vec-get s1 1) (vec-get sa 2))", "(= (vec-get s2 1) (vec-get sb 2))"],
+                    ["(union e (matmul (transpose (view (transpose a 0 1) s1) 0 1) (view (transpose b 0 1) s2)))"]))
     # a view is invertible: a rank tensor's operand is the rank tensor viewed back (the
     # unmerged product of a rank, seen as its merged bmm output viewed back)
     out.append(rule("view-inverse-rank", ["(= y (view x s))", "(= y (D n))", "(= sx (shape x))", "(!= sx s)"],
@@ -114,6 +140,18 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("matmul", (view(a, (bb * hh, m, k)), view(b, (bb * hh, k, n)))))
         a3, b3 = gen.leaf((bb * hh, m, k)), gen.leaf((bb * hh, k, n))
         out.append(Term("matmul", (view(a3, (bb, hh, m, k)), view(b3, (bb, hh, k, n)))))
+        # rows merged ([S, B, H] -> [S*B, H]) times a matrix, of a leaf and of a concat on the inner factor
+        ss, bb2, hh2, cc = (r.choice([1, 2, 3]) for _ in range(4))
+        w = gen.leaf((hh2, cc))
+        out.append(Term("matmul", (view(gen.leaf((ss, bb2, hh2)), (ss * bb2, hh2)), w)))
+        b3 = r.choice([1, 2])
+        xc = Term("cat", (gen.leaf((ss, bb2, hh2)), gen.leaf((ss, b3, hh2))), (1,))
+        out.append(Term("matmul", (view(xc, (ss * (bb2 + b3), hh2)), w)))
+        # a contraction over merged rows, of leaves and of concats along the inner factor
+        for left in (gen.leaf((ss, bb2, hh2)), xc):
+            s0, s1_ = (ss, bb2) if left is not xc else (ss, bb2 + b3)
+            right = gen.leaf((s0, s1_, cc))
+            out.append(Term("matmul", (tr(view(left, (s0 * s1_, hh2)), 0, 1), view(right, (s0 * s1_, cc)))))
         # a rank tensor that is a view of another term
         y = gen.defined_leaf(view(gen.leaf((bb, hh, m)), (bb * hh, m)))
         out.append(view(y, (bb * hh * m,)))  # the harness picks seeds by the ops they hold
