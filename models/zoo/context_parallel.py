@@ -75,17 +75,22 @@ PROGRAM = Program(
 )
 
 # config -> (attention, ranks, heads); the ones not in PROGRAM do not refine yet (module docstring)
-_CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4), "ulysses_cp2_1head": ("ulysses", 2, 2),
-            "ulysses_cp4": ("ulysses", 4, 4), "ring_cp2": ("ring", 2, 4)}
+# config -> (attention, ranks, heads, causal): a non-causal one is a bidirectional (encoder) model
+_CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4, True), "ulysses_cp2_1head": ("ulysses", 2, 2, True),
+            "ulysses_cp4": ("ulysses", 4, 4, True), "ring_cp2": ("ring", 2, 4, True),
+            "ring_cp2_bidir": ("ring", 2, 4, False), "ring_cp2_bidir_1head": ("ring", 2, 1, False),
+            "ring_cp4_bidir": ("ring", 4, 4, False)}
 RING_BUGS = ("ring_mask_local_positions", "ring_no_rescale")  # bugs of the ring_cp2 configuration
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """q, k, v [heads, T, D] over the whole sequence -> [heads, T, D]."""
     n = q.shape[1]
     scores = q @ k.transpose(1, 2) * q.shape[-1] ** -0.5
-    future = torch.ones(n, n, dtype=torch.bool).triu(1)
-    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 class SeqAllToAll(torch.autograd.Function):
@@ -115,19 +120,29 @@ def _blocks(r: int, n: int, j: int, bug: str | None) -> torch.Tensor:
     return k_pos[None, :] > q_pos[:, None]
 
 
+def _seen(r: int, w: int, causal: bool) -> range:
+    """The key blocks rank r's queries see: all, or (causal) those up to its own."""
+    return range(r + 1) if causal else range(w)
+
+
+def _scores(q: torch.Tensor, kj: torch.Tensor, r: int, j: int, causal: bool, bug: str | None) -> torch.Tensor:
+    s = q @ kj.transpose(1, 2) * q.shape[-1] ** -0.5
+    return s.masked_fill(_blocks(r, q.shape[1], j, bug), float("-inf")) if causal else s
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal softmax attention of this rank's query block [heads, n, D] over the key and value
-    blocks of ranks 0..r (the later ones are all masked)."""
+    """Softmax attention of this rank's query block [heads, n, D] over the key and value
+    blocks of every rank, or (causal) of ranks 0..r (the later ones are all masked)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # noqa: ANN001
-                bug: str | None) -> torch.Tensor:
-        r, n, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+                bug: str | None, causal: bool) -> torch.Tensor:
+        r, w, n = dist.get_rank(group), dist.get_world_size(group), q.shape[1]
         kf, vf = funcol.all_gather_tensor(k, 1, group), funcol.all_gather_tensor(v, 1, group)
         out = total = m = None
-        for j in range(r + 1):
+        for j in _seen(r, w, causal):
             kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
-            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, bug), float("-inf"))
+            s = _scores(q, kj, r, j, causal, bug)
             mj = s.amax(-1, keepdim=True)
             e = torch.exp(s - mj)
             if out is None:
@@ -143,7 +158,7 @@ class RingAttention(torch.autograd.Function):
             m = new
         lse = m + torch.log(total)
         ctx.save_for_backward(q, kf, vf, lse)
-        ctx.group, ctx.bug = group, bug
+        ctx.group, ctx.bug, ctx.causal = group, bug, causal
         return out / total
 
     @staticmethod
@@ -152,16 +167,16 @@ class RingAttention(torch.autograd.Function):
         group = ctx.group
         w, r, n, scale = dist.get_world_size(group), dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
         ps, dps = [], []
-        for j in range(r + 1):
+        for j in _seen(r, w, ctx.causal):
             kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
-            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, ctx.bug), float("-inf"))
+            s = _scores(q, kj, r, j, ctx.causal, ctx.bug)
             ps.append(torch.exp(s - lse))  # block j of the whole row's softmax
             dps.append(dout @ vj.transpose(1, 2))
         d = sum((dp * p).sum(-1, keepdim=True) for dp, p in zip(dps, ps, strict=True))
         dq = torch.zeros_like(q)
         dks, dvs = [], []
         for j in range(w):
-            if j > r:  # a later block: no query here sees it
+            if ctx.causal and j > r:  # a later block: no query here sees it
                 dks.append(torch.zeros_like(q))
                 dvs.append(torch.zeros_like(q))
                 continue
@@ -172,16 +187,16 @@ class RingAttention(torch.autograd.Function):
             dvs.append(ps[j].transpose(1, 2) @ dout)
         dk = funcol.reduce_scatter_tensor(torch.cat(dks, 1), "sum", 1, group)
         dv = funcol.reduce_scatter_tensor(torch.cat(dvs, 1), "sum", 1, group)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 class Attention(nn.Module):
-    """Multi-head causal attention; `mode` None: the whole sequence here (the sequential
+    """Multi-head attention, causal or not; `mode` None: the whole sequence here (the sequential
     model), else this rank's block of it under "ulysses" or "ring"."""
 
-    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None, causal: bool = True) -> None:
         super().__init__()
-        self.heads, self.mode, self.bug = heads, mode, bug
+        self.heads, self.mode, self.bug, self.causal = heads, mode, bug, causal
         self.qkv = nn.Linear(H, 3 * H, bias=False)
         self.proj = nn.Linear(H, H, bias=False)
 
@@ -192,25 +207,25 @@ class Attention(nn.Module):
                    for t in self.qkv(x).chunk(3, dim=-1))  # BUG: qkv_grad_not_reduced
         group = dist.group.WORLD
         if self.mode is None:
-            o = causal_attention(q, k, v)
+            o = attention(q, k, v, self.causal)
         elif self.mode == "ulysses":
             # heads scattered, sequence gathered: [NH/W, T, D], ordinary attention on it
             q, k, v = (SeqAllToAll.apply(t, 0, 1, group) for t in (q, k, v))
-            o = causal_attention(q, k, v)
+            o = attention(q, k, v, self.causal)
             if self.bug == "ulysses_gather_wrong_dim":
                 o = SeqAllToAll.apply(o, 1, 2, group)  # BUG: ulysses_gather_wrong_dim
             else:
                 o = SeqAllToAll.apply(o, 1, 0, group)  # sequence scattered, heads gathered back
         else:
-            o = RingAttention.apply(q, k, v, group, self.bug)
+            o = RingAttention.apply(q, k, v, group, self.bug, self.causal)
         return self.proj(o.transpose(0, 1).reshape(tokens, H))
 
 
 class Block(nn.Module):
-    def __init__(self, heads: int, mode: str | None, bug: str | None) -> None:
+    def __init__(self, heads: int, mode: str | None, bug: str | None, causal: bool) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
-        self.attn = Attention(heads, mode, bug)
+        self.attn = Attention(heads, mode, bug, causal)
         self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,9 +234,9 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None, causal: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(heads, mode, bug) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(heads, mode, bug, causal) for _ in range(LAYERS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -251,14 +266,14 @@ def make_case(config: str, bug: str | None = None) -> capture.Spec:
         raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(_CONFIGS)})")
     if bug is not None and bug not in PROGRAM.bugs and bug not in RING_BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(PROGRAM.bugs)}, {', '.join(RING_BUGS)})")
-    mode, world, heads = _CONFIGS[config]
+    mode, world, heads, causal = _CONFIGS[config]
     torch.manual_seed(0)
-    seq = Model(heads)
+    seq = Model(heads, causal=causal)
     x, target = torch.randn(T, H), torch.randn(T, H)
     n = T // world
 
     def rank(r: int) -> capture.Step:
-        model = Model(heads, mode, bug)
+        model = Model(heads, mode, bug, causal)
         model.load_state_dict(seq.state_dict())
         for p in model.parameters():
             capture.replicate(p)
