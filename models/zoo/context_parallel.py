@@ -1,6 +1,7 @@
 """Context parallelism written as its users write it by hand with torch.distributed: a 2-layer
-causal transformer (pre-norm attention + MLP blocks), a whole training step, with either
-DeepSpeed-Ulysses attention or ring attention.
+causal transformer (pre-norm attention + MLP blocks; bidirectional in the ring's encoder
+configurations), a whole training step, with either DeepSpeed-Ulysses attention or ring
+attention.
 
 Each rank holds a contiguous block of the sequence (tokens and targets); the parameters are
 replicated, their gradients summed over the ranks after backward (each rank's loss is its
@@ -11,22 +12,37 @@ squared error over the global element count) and the loss summed.
   all_to_all) scatters the heads and gathers the sequence: each rank holds the whole sequence
   for NH/W heads and runs ordinary causal attention on it; a second all_to_all scatters the
   sequence and gathers the heads back before the output projection.
-- **Ring**: each rank's queries attend to every key block up to its own (causal: later blocks
-  are skipped, its own block masked by global positions). The key and value blocks are
+- **Ring**: each rank's queries attend to every key block (causal: to every block up to its
+  own, later blocks skipped, its own block masked by global positions). The key and value blocks are
   all-gathered; the attention is an autograd Function that merges the blocks with the online
   softmax (a running row max and sum, rescaled as each block raises the max) and computes the
   backward flash-attention style from the merged log-sum-exp, reduce-scattering the key and
   value gradients to the blocks' owners.
 
-Configurations: "ulysses_cp2" (4 heads, 2 per rank) and "ulysses_cp2_1head" (2 heads, 1 per
-rank). Two more are built by `make_case` but left out of PROGRAM, as they do not refine yet:
-"ulysses_cp4" (UNPROVEN at the scores' bmm: the structural search's free walks,
-Policy.struct_free, run out over four ranks' chunk/stack/all_to_all/unbind/concat chains;
-with more it proves further but its steps hit the e-graph budgets) and "ring_cp2" (UNPROVEN at
-the sequential scores `q @ k^T`: the ranks skip the key blocks after their own, so no rank
-holds the scores above the diagonal, which the sequential program only masks afterwards; a
-relation for a tensor held in part, whose unheld part a constant mask overwrites before any
-use, is what is missing). Bugs (the ring ones are built in "ring_cp2"):
+Configurations: "ulysses_cp2" (4 heads, 2 per rank), "ulysses_cp2_1head" (2 heads, 1 per
+rank), and ring attention over a bidirectional (encoder) model, "ring_cp2_bidir" (4 heads)
+and "ring_cp2_bidir_1head" (rules/online_softmax.py relates the running-max merge to
+attention). Three more are built by `make_case` but left out of PROGRAM, as they do not
+refine yet:
+
+- "ulysses_cp4": UNPROVEN at the scores' bmm: the structural search's free walks,
+  Policy.struct_free, run out over four ranks' chunk/stack/all_to_all/unbind/concat chains;
+  with more it proves further but its steps hit the e-graph budgets.
+- "ring_cp2" (causal): UNPROVEN at the sequential scores `q @ k^T` (`attention`, the
+  `scores = ...` line): the ranks skip the key blocks after their own, so no rank holds the
+  scores above the diagonal, which the sequential program only masks afterwards. Missing: a
+  relation for a tensor held in part whose unheld part a constant mask overwrites before
+  any use (the scores passed to their users as a term, like a fused op's), rules for the
+  mask's blocks (a slice of `triu` against the ranks' `k_pos > q_pos` from offset ranges;
+  an all-True block makes `where(mask, -inf, x)` the constant -inf, and attention over a
+  concat with an all -inf block is attention over the rest), and the backward's zero
+  blocks (`zeros_like` for the skipped blocks' key/value gradients).
+- "ring_cp4_bidir": UNPROVEN at the attention output `softmax(scores) @ v`: four blocks
+  merged one after another make a left-nested concat of the score blocks, the sequential
+  relation holds them in another bracketing, and concat has no associativity rule (on
+  purpose: re-nesting makes every bracketing).
+
+Bugs ("ring_mask_local_positions" is built in "ring_cp2", kept out with it):
 
 - "qkv_grad_not_reduced": the qkv projection's gradient is not summed over the ranks, as if
   Ulysses made it head-parallel (the ranks of a sequence-parallel group left out of the
@@ -38,7 +54,8 @@ use, is what is missing). Bugs (the ring ones are built in "ring_cp2"):
   (arange of the block) for every block, missing the ranks' offsets: earlier blocks lose keys
   they may see.
 - "ring_no_rescale": the running output and sum are not rescaled when a block raises the row
-  max (the online-softmax correction left out).
+  max (the online-softmax correction left out). Found at the sequential attention output:
+  each term of the merged sum is right at its own max shift, only the shifts differ.
 """
 
 from __future__ import annotations
@@ -61,6 +78,8 @@ PROGRAM = Program(
     configs={
         "ulysses_cp2": "DeepSpeed-Ulysses over 2 ranks, 4 heads (2 per rank)",
         "ulysses_cp2_1head": "DeepSpeed-Ulysses over 2 ranks, 2 heads (1 per rank)",
+        "ring_cp2_bidir": "ring attention over 2 ranks, 4 heads, bidirectional (an encoder)",
+        "ring_cp2_bidir_1head": "ring attention over 2 ranks, 1 head, bidirectional (an encoder)",
     },
     smoke="ulysses_cp2",
     bugs={
@@ -71,6 +90,11 @@ PROGRAM = Program(
             "ulysses_cp2", "the output all_to_all gathers the heads along the wrong dim (Ulysses layout bugs)",
             known_miss="the misgathered columns are a permutation of the sequential ones: the report names the "
                        "output projection, the first sequential node without a relation, not the all_to_all"),
+        "ring_no_rescale": Bug(
+            "ring_cp2_bidir", "the running output and sum not rescaled when a block raises the row max (the "
+            "online-softmax correction left out, as in hand-written ring/flash attention)",
+            known_miss="each term of the merged sum is right at its own max shift, only the two shifts differ: "
+                       "the report names the sequential attention output `softmax(scores) @ v`, no rank line"),
     },
 )
 
@@ -80,7 +104,7 @@ _CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4, True), "ulysses_cp2_1head": ("ulyss
             "ulysses_cp4": ("ulysses", 4, 4, True), "ring_cp2": ("ring", 2, 4, True),
             "ring_cp2_bidir": ("ring", 2, 4, False), "ring_cp2_bidir_1head": ("ring", 2, 1, False),
             "ring_cp4_bidir": ("ring", 4, 4, False)}
-RING_BUGS = ("ring_mask_local_positions", "ring_no_rescale")  # bugs of the ring_cp2 configuration
+RING_BUGS = ("ring_mask_local_positions",)  # a bug of the causal ring_cp2 configuration (kept out)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
