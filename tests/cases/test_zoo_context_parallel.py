@@ -1,10 +1,12 @@
 """The zoo's context parallelism (models/zoo/context_parallel.py): DeepSpeed-Ulysses over a
-2-layer causal transformer refines in every configuration, each bug does not, at its line;
-and the `relayout` strategy (refine.prove.walk) the Ulysses exchange needs, shown on one
-attention layer.
+2-layer causal transformer and ring attention over a bidirectional one refine in every
+configuration, each bug does not, at its line (or where Bug.known_miss says); the `relayout`
+strategy (refine.prove.walk) the Ulysses exchange needs, shown on one attention layer; and
+one ring attention layer, with and without what it needs (rules/online_softmax.py, the
+existing-swap rules, the relayout retry at funcol's reduce_scatter over dim 1).
 
-Quick tier: one Ulysses attention layer with and without the strategy. Slow: the whole
-program (about 1 min a configuration, 2 min a bug)."""
+Quick tier: one Ulysses and one ring attention layer. Slow: the whole program (about 1 min a
+configuration, 2-5 min a bug)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from models.zoo import load
 from refine import capture, check
 from refine.prove.policy import DEFAULT, STRATEGIES
+from refine.verdict.report import Culprit
 from tests.helpers.capture import failing, timed_capture, wrong_numerically
 
 ZOO = load("context_parallel")
@@ -119,10 +122,21 @@ def test_ring_attention_refines(ring: capture.Case) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "heads"), [(2, 1), (4, 2)])
-def test_ring_attention_refines_over_ranks_and_heads(world: int, heads: int) -> None:
-    report = check(*_ring_case(world, heads))
+def test_ring_attention_refines_with_one_head() -> None:
+    report = check(*_ring_case(2, 1))
     assert report.refines, report
+
+
+def test_ring_attention_over_four_ranks_is_not_proven_yet() -> None:
+    """Four blocks merged one after another concatenate the score blocks left-nested, the
+    sequential relation holds them in another bracketing, and concat has no associativity
+    rule (on purpose): UNPROVEN at the attention output, not a false DOES NOT REFINE. When
+    this fails, put ring_cp4_bidir into the zoo's PROGRAM."""
+    case = _ring_case(4, 2)
+    assert not wrong_numerically(case)
+    report = check(*case, tries=1)
+    assert report.verdict == "UNPROVEN" and report.culprit is not None
+    assert _seq_line(report.culprit) == _line("return torch.softmax(scores, dim=-1) @ v")
 
 
 def test_without_the_online_softmax_rules_the_merge_is_not_attention(ring: capture.Case) -> None:
@@ -132,7 +146,28 @@ def test_without_the_online_softmax_rules_the_merge_is_not_attention(ring: captu
     rules = [r for r in reg.rules if r.family != "online_softmax"]
     report = check(ring.seq, ring.dist, replace(reg, rules=rules), tries=1)
     assert not report.refines and report.culprit is not None
-    assert report.culprit.op == "bmm" and report.culprit.source == _line("return torch.softmax(scores, dim=-1) @ v")
+    assert report.culprit.op == "bmm" and _seq_line(report.culprit) == _line("return torch.softmax(scores, dim=-1) @ v")
+
+
+@pytest.mark.parametrize("rule", ["mul-comm-existing", "matmul-transposed-existing"])
+def test_the_flash_backward_needs_the_existing_swaps(ring: capture.Case, rule: str) -> None:
+    """The backward's `P_j * (dP_j - D)` distributed meets the sequential `dP * P` written the
+    other way (mul-comm-existing); its `dK_j = dS_j^T Q` is the transpose of the sequential
+    `Q^T dS` (matmul-transposed-existing): without either the step is not proven."""
+    reg = ring.registry
+    report = check(ring.seq, ring.dist, replace(reg, rules=[r for r in reg.rules if r.name != rule]), tries=1)
+    assert not report.refines and report.culprit is not None
+
+
+def test_without_the_relayout_strategy_the_key_gradient_is_not_reached(ring: capture.Case) -> None:
+    """funcol's reduce_scatter over the sequence dim (1) chunks it and concatenates the chunks
+    along dim 0 around the collective: the key/value gradients' counterparts are reached by
+    the structural retry, whose trigger (refine.prove.frontier.exchanges_near) counts a
+    reduce_scatter reached through a slice as a re-layout."""
+    policy = replace(DEFAULT, strategies=tuple(s for s in STRATEGIES if s != "relayout"))
+    report = check(*ring, policy=policy, tries=1)
+    assert not report.refines and report.culprit is not None
+    assert report.culprit.op == "mm"
 
 
 def test_a_block_merged_without_its_max_shift_does_not_refine() -> None:
@@ -143,7 +178,12 @@ def test_a_block_merged_without_its_max_shift_does_not_refine() -> None:
     assert wrong_numerically(case)
     report = check(*case)
     assert not report.refines and report.culprit is not None
-    assert report.culprit.op == "bmm" and report.culprit.source == _line("return torch.softmax(scores, dim=-1) @ v")
+    assert report.culprit.op == "bmm" and _seq_line(report.culprit) == _line("return torch.softmax(scores, dim=-1) @ v")
+
+
+def _seq_line(c: Culprit) -> str | None:
+    """The culprit's sequential line (`source` is the rank line when one is at fault)."""
+    return c.seq_source or c.source
 
 
 def _line(snippet: str) -> str:
@@ -170,7 +210,7 @@ def test_each_bug_does_not_refine(bug: str) -> None:
         assert report.culprit.rank_source in ZOO.culprit_lines(bug), report.culprit
     elif bug == "ring_no_rescale":  # two max shifts in one sum: found at the attention output
         assert wrong_numerically(case) == failing(report)
-        assert report.culprit.source == _line("return torch.softmax(scores, dim=-1) @ v"), report.culprit
+        assert _seq_line(report.culprit) == _line("return torch.softmax(scores, dim=-1) @ v"), report.culprit
     else:
         # heads out of order: clean values in the wrong columns, found where they meet the
         # output projection, not at the exchange (as moe_gshard's combine order)
