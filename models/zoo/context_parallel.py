@@ -38,9 +38,11 @@ refine yet:
   concat with an all -inf block is attention over the rest), and the backward's zero
   blocks (`zeros_like` for the skipped blocks' key/value gradients).
 - "ring_cp4_bidir": UNPROVEN at the attention output `softmax(scores) @ v`: four blocks
-  merged one after another make a left-nested concat of the score blocks, the sequential
-  relation holds them in another bracketing, and concat has no associativity rule (on
-  purpose: re-nesting makes every bracketing).
+  merged one after another make a left-nested concat of the score (and value) blocks, while
+  the sequential relation holds them balanced (refine.ir.term.cat), with the rows of the 4x4
+  score blocks to bring out first; concat has no associativity rule (on purpose: re-nesting
+  makes every bracketing). A rule joining two bracketings that both exist was tried and did
+  not suffice on its own.
 
 Bugs ("ring_mask_local_positions" is built in "ring_cp2", kept out with it):
 

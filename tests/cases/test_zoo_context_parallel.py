@@ -5,8 +5,9 @@ strategy (refine.prove.walk) the Ulysses exchange needs, shown on one attention 
 one ring attention layer, with and without what it needs (rules/online_softmax.py, the
 existing-swap rules, the relayout retry at funcol's reduce_scatter over dim 1).
 
-Quick tier: one Ulysses and one ring attention layer. Slow: the whole program (about 1 min a
-configuration, 2-5 min a bug)."""
+Quick tier: one Ulysses attention layer with and without the relayout strategy, one ring
+attention layer with and without rules/online_softmax.py. Slow: the ring layer's other
+facts, the whole program (about 1 min a configuration, 2-5 min a bug)."""
 
 from __future__ import annotations
 
@@ -127,11 +128,12 @@ def test_ring_attention_refines_with_one_head() -> None:
     assert report.refines, report
 
 
+@pytest.mark.slow
 def test_ring_attention_over_four_ranks_is_not_proven_yet() -> None:
     """Four blocks merged one after another concatenate the score blocks left-nested, the
-    sequential relation holds them in another bracketing, and concat has no associativity
-    rule (on purpose): UNPROVEN at the attention output, not a false DOES NOT REFINE. When
-    this fails, put ring_cp4_bidir into the zoo's PROGRAM."""
+    sequential relation holds them balanced, and concat has no associativity rule (on
+    purpose): UNPROVEN at the attention output (the module docstring), not a false DOES NOT
+    REFINE. When this fails, put ring_cp4_bidir into the zoo's PROGRAM."""
     case = _ring_case(4, 2)
     assert not wrong_numerically(case)
     report = check(*case, tries=1)
@@ -149,6 +151,7 @@ def test_without_the_online_softmax_rules_the_merge_is_not_attention(ring: captu
     assert report.culprit.op == "bmm" and _seq_line(report.culprit) == _line("return torch.softmax(scores, dim=-1) @ v")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["mul-comm-existing", "matmul-transposed-existing"])
 def test_the_flash_backward_needs_the_existing_swaps(ring: capture.Case, rule: str) -> None:
     """The backward's `P_j * (dP_j - D)` distributed meets the sequential `dP * P` written the
@@ -159,6 +162,7 @@ def test_the_flash_backward_needs_the_existing_swaps(ring: capture.Case, rule: s
     assert not report.refines and report.culprit is not None
 
 
+@pytest.mark.slow
 def test_without_the_relayout_strategy_the_key_gradient_is_not_reached(ring: capture.Case) -> None:
     """funcol's reduce_scatter over the sequence dim (1) chunks it and concatenates the chunks
     along dim 0 around the collective: the key/value gradients' counterparts are reached by
@@ -170,6 +174,7 @@ def test_without_the_relayout_strategy_the_key_gradient_is_not_reached(ring: cap
     assert report.culprit.op == "mm"
 
 
+@pytest.mark.slow
 def test_a_block_merged_without_its_max_shift_does_not_refine() -> None:
     """ring_no_rescale: the running sums stay at the old max while the new block is at the new
     one; two shifts in one sum are no attention. Each term is right at its own shift, so the
