@@ -394,6 +394,10 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("mul-scale-left", "(mul_t (Scale x r) y)", "(Scale (mul_t x y) r)"),
         rewrite("mul-scale-right", "(mul_t x (Scale y r))", "(Scale (mul_t x y) r)"),
         rewrite("div-scale", "(div_t (Scale x r) y)", "(Scale (div_t x y) r)"),
+        # a product and its swap, both present, are one (no commutativity in saturation: it
+        # makes no term; a product distributed over a sum meets the same product written
+        # the other way, as flash attention's P_j * (dP_j - D) meets dP * P)
+        rule("mul-comm-existing", ["(= e (mul_t a b))", "(= f (mul_t b a))"], ["(union e f)"]),
     ]
     return out
 
@@ -424,6 +428,15 @@ SAMPLES = {
     "pow_t": Sample(lambda gen, x: ([(x, "p", 0), (x, "f", 0)], ())),
     "div_t": Sample(lambda gen, x: ([(x, "f", 0), (x, "p", 0)], ())),
 }
+
+
+def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """A product next to its swap (mul-comm-existing joins them; alone, neither is swapped)."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        a, b = gen.leaf((2, 3)), gen.leaf((2, 3))
+        out += [Term("mul_t", (a, b)), Term("mul_t", (b, a)), Term("mul_t", (b, gen.leaf((2, 3))))]
+    return out
 
 
 def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export

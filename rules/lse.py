@@ -18,10 +18,12 @@ with `attn_c(s, v) = softmax(s, -1) @ v`. The sequential softmax is recognised i
 probabilities `exp(s_j - lse)`.
 
 Limits: non-causal attention only (a causal mask needs fully masked blocks skipped and their
-lse treated as -inf). The backward must form `P_j dP_j - P_j D` as torch's softmax backward
-decomposition does (flash's `D = rowsum(dO * O)` would need one more rule). Exercised on 2
-ranks (models/capture/cp_attention.py); more ranks nest the merge, and the search for each
-node's relation grows with it.
+lse treated as -inf). The backward forms `P_j dP_j - P_j D` as torch's softmax backward
+decomposition does, or `P_j (dP_j - D)` (the sequential `P * D`, over the fused softmax, is
+passed to its users: refine.prove.walk); flash's `D = rowsum(dO * O)` would need one more
+rule. Exercised on 2 ranks (models/capture/cp_attention.py; the running-max form,
+rules/online_softmax.py, in models/zoo/context_parallel.py); more ranks nest the merge, and
+the search for each node's relation grows with it.
 """
 
 from __future__ import annotations

@@ -151,6 +151,12 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("slice-matmul-batched-rows", ["(= e (slice (matmul a b) d s f))", "(> (ndim b) 2)",
                                            "(= d (- (ndim a) 2))"],
              ["(union e (matmul (slice a d s f) b))"]),
+        # a^T b is the transpose of b^T a, when that product exists (no term is made): a
+        # batched product's backward forms a^T b (bmm's gradient of its transposed operand)
+        # where the ranks compute b^T a (a flash-style backward's dK_j = dS_j^T Q)
+        rule("matmul-transposed-existing", ["(= e (matmul (transpose a i j) b))", "(= f (matmul (transpose b i j) a))",
+                                            "(= j (- (ndim a) 1))", "(= i (- j 1))"],
+             ["(union e (transpose f i j))"]),
     ]
 
 
@@ -181,4 +187,16 @@ def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("matmul", (ab, Term("cat", (gen.leaf((1, 2, 4)), gen.leaf((1, 2, 4))), (0,)))))
         out.append(Term("matmul", (Term("cat", (gen.leaf((2, 1, 2)), gen.leaf((2, 2, 2))), (1,)), bb)))
         out.append(Term("MatmulBy", (gen.leaf((3, 4)), gen.leaf((2, 3)))))
+    return out
+
+
+def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
+    """Products a^T b next to b^T a, 2-D and batched (the transposed-product rule joins them)."""
+    out: list[Term] = []
+    for _ in range(gen.instances):
+        for batch in ((), (2,)):
+            a, b = gen.leaf((*batch, 3, 2)), gen.leaf((*batch, 3, 4))
+            i, j = len(batch), len(batch) + 1
+            out += [Term("matmul", (Term("transpose", (a,), (i, j)), b)),
+                    Term("matmul", (Term("transpose", (b,), (i, j)), a))]
     return out

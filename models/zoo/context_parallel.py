@@ -1,6 +1,7 @@
 """Context parallelism written as its users write it by hand with torch.distributed: a 2-layer
-causal transformer (pre-norm attention + MLP blocks), a whole training step, with either
-DeepSpeed-Ulysses attention or ring attention.
+causal transformer (pre-norm attention + MLP blocks; bidirectional in the ring's encoder
+configurations), a whole training step, with either DeepSpeed-Ulysses attention or ring
+attention.
 
 Each rank holds a contiguous block of the sequence (tokens and targets); the parameters are
 replicated, their gradients summed over the ranks after backward (each rank's loss is its
@@ -11,22 +12,41 @@ squared error over the global element count) and the loss summed.
   all_to_all) scatters the heads and gathers the sequence: each rank holds the whole sequence
   for NH/W heads and runs ordinary causal attention on it; a second all_to_all scatters the
   sequence and gathers the heads back before the output projection.
-- **Ring**: each rank's queries attend to every key block up to its own (causal: later blocks
-  are skipped, its own block masked by global positions). The key and value blocks are
+- **Ring**: each rank's queries attend to every key block (causal: to every block up to its
+  own, later blocks skipped, its own block masked by global positions). The key and value blocks are
   all-gathered; the attention is an autograd Function that merges the blocks with the online
   softmax (a running row max and sum, rescaled as each block raises the max) and computes the
   backward flash-attention style from the merged log-sum-exp, reduce-scattering the key and
   value gradients to the blocks' owners.
 
-Configurations: "ulysses_cp2" (4 heads, 2 per rank) and "ulysses_cp2_1head" (2 heads, 1 per
-rank). Two more are built by `make_case` but left out of PROGRAM, as they do not refine yet:
-"ulysses_cp4" (UNPROVEN at the scores' bmm: the structural search's free walks,
-Policy.struct_free, run out over four ranks' chunk/stack/all_to_all/unbind/concat chains;
-with more it proves further but its steps hit the e-graph budgets) and "ring_cp2" (UNPROVEN at
-the sequential scores `q @ k^T`: the ranks skip the key blocks after their own, so no rank
-holds the scores above the diagonal, which the sequential program only masks afterwards; a
-relation for a tensor held in part, whose unheld part a constant mask overwrites before any
-use, is what is missing). Bugs (the ring ones are built in "ring_cp2"):
+Configurations: "ulysses_cp2" (4 heads, 2 per rank), "ulysses_cp2_1head" (2 heads, 1 per
+rank), and ring attention over a bidirectional (encoder) model, "ring_cp2_bidir" (4 heads)
+and "ring_cp2_bidir_1head" (rules/online_softmax.py relates the running-max merge to
+attention). Three more are built by `make_case` but left out of PROGRAM, as they do not
+refine yet:
+
+- "ulysses_cp4": UNPROVEN at the scores' bmm: the structural search's free walks,
+  Policy.struct_free, run out over four ranks' chunk/stack/all_to_all/unbind/concat chains;
+  with more it proves further but its steps hit the e-graph budgets.
+- "ring_cp2" (causal): UNPROVEN at the sequential scores `q @ k^T` (`attention`, the
+  `scores = ...` line): the ranks skip the key blocks after their own, so no rank holds the
+  scores above the diagonal, which the sequential program only masks afterwards. Missing: a
+  relation for a tensor held in part whose unheld part a constant mask overwrites before
+  any use (the scores passed to their users as a term, like a fused op's), rules for the
+  mask's blocks (a slice of `triu` against the ranks' `k_pos > q_pos` from offset ranges;
+  an all-True block makes `where(mask, -inf, x)` the constant -inf, and attention over a
+  concat with an all -inf block is attention over the rest), and the backward's zero
+  blocks (`zeros_like` for the skipped blocks' key/value gradients).
+- "ring_cp4_bidir": UNPROVEN at the attention output `softmax(scores) @ v`: four blocks
+  merged one after another make a left-nested concat of the score (and value) blocks, while
+  the sequential relation holds them balanced (refine.ir.term.cat), with the rows of the 4x4
+  score blocks to bring out first; concat has no associativity rule (on purpose: re-nesting
+  makes every bracketing). Measured on one attention layer (4 ranks, 2 heads): a rule joining
+  two bracketings that both exist, `(cat (cat a b) c)` with `(cat a (cat b c))`, together
+  with Policy.deep_iterations 14 instead of 6 (each merge of the running chain costs deep
+  iterations), proves it (199 s on 2 loaded cores); either alone does not.
+
+Bugs ("ring_mask_local_positions" is built in "ring_cp2", kept out with it):
 
 - "qkv_grad_not_reduced": the qkv projection's gradient is not summed over the ranks, as if
   Ulysses made it head-parallel (the ranks of a sequence-parallel group left out of the
@@ -38,7 +58,8 @@ use, is what is missing). Bugs (the ring ones are built in "ring_cp2"):
   (arange of the block) for every block, missing the ranks' offsets: earlier blocks lose keys
   they may see.
 - "ring_no_rescale": the running output and sum are not rescaled when a block raises the row
-  max (the online-softmax correction left out).
+  max (the online-softmax correction left out). Found at the sequential attention output:
+  each term of the merged sum is right at its own max shift, only the shifts differ.
 """
 
 from __future__ import annotations
@@ -61,6 +82,8 @@ PROGRAM = Program(
     configs={
         "ulysses_cp2": "DeepSpeed-Ulysses over 2 ranks, 4 heads (2 per rank)",
         "ulysses_cp2_1head": "DeepSpeed-Ulysses over 2 ranks, 2 heads (1 per rank)",
+        "ring_cp2_bidir": "ring attention over 2 ranks, 4 heads, bidirectional (an encoder)",
+        "ring_cp2_bidir_1head": "ring attention over 2 ranks, 1 head, bidirectional (an encoder)",
     },
     smoke="ulysses_cp2",
     bugs={
@@ -71,21 +94,31 @@ PROGRAM = Program(
             "ulysses_cp2", "the output all_to_all gathers the heads along the wrong dim (Ulysses layout bugs)",
             known_miss="the misgathered columns are a permutation of the sequential ones: the report names the "
                        "output projection, the first sequential node without a relation, not the all_to_all"),
+        "ring_no_rescale": Bug(
+            "ring_cp2_bidir", "the running output and sum not rescaled when a block raises the row max (the "
+            "online-softmax correction left out, as in hand-written ring/flash attention)",
+            known_miss="each term of the merged sum is right at its own max shift, only the two shifts differ: "
+                       "the report names the sequential attention output `softmax(scores) @ v`, no rank line"),
     },
 )
 
 # config -> (attention, ranks, heads); the ones not in PROGRAM do not refine yet (module docstring)
-_CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4), "ulysses_cp2_1head": ("ulysses", 2, 2),
-            "ulysses_cp4": ("ulysses", 4, 4), "ring_cp2": ("ring", 2, 4)}
-RING_BUGS = ("ring_mask_local_positions", "ring_no_rescale")  # bugs of the ring_cp2 configuration
+# config -> (attention, ranks, heads, causal): a non-causal one is a bidirectional (encoder) model
+_CONFIGS = {"ulysses_cp2": ("ulysses", 2, 4, True), "ulysses_cp2_1head": ("ulysses", 2, 2, True),
+            "ulysses_cp4": ("ulysses", 4, 4, True), "ring_cp2": ("ring", 2, 4, True),
+            "ring_cp2_bidir": ("ring", 2, 4, False), "ring_cp2_bidir_1head": ("ring", 2, 1, False),
+            "ring_cp4_bidir": ("ring", 4, 4, False)}
+RING_BUGS = ("ring_mask_local_positions",)  # a bug of the causal ring_cp2 configuration (kept out)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
     """q, k, v [heads, T, D] over the whole sequence -> [heads, T, D]."""
     n = q.shape[1]
     scores = q @ k.transpose(1, 2) * q.shape[-1] ** -0.5
-    future = torch.ones(n, n, dtype=torch.bool).triu(1)
-    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+    if causal:
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
 
 
 class SeqAllToAll(torch.autograd.Function):
@@ -115,19 +148,29 @@ def _blocks(r: int, n: int, j: int, bug: str | None) -> torch.Tensor:
     return k_pos[None, :] > q_pos[:, None]
 
 
+def _seen(r: int, w: int, causal: bool) -> range:
+    """The key blocks rank r's queries see: all, or (causal) those up to its own."""
+    return range(r + 1) if causal else range(w)
+
+
+def _scores(q: torch.Tensor, kj: torch.Tensor, r: int, j: int, causal: bool, bug: str | None) -> torch.Tensor:
+    s = q @ kj.transpose(1, 2) * q.shape[-1] ** -0.5
+    return s.masked_fill(_blocks(r, q.shape[1], j, bug), float("-inf")) if causal else s
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal softmax attention of this rank's query block [heads, n, D] over the key and value
-    blocks of ranks 0..r (the later ones are all masked)."""
+    """Softmax attention of this rank's query block [heads, n, D] over the key and value
+    blocks of every rank, or (causal) of ranks 0..r (the later ones are all masked)."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,  # noqa: ANN001
-                bug: str | None) -> torch.Tensor:
-        r, n, scale = dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
+                bug: str | None, causal: bool) -> torch.Tensor:
+        r, w, n = dist.get_rank(group), dist.get_world_size(group), q.shape[1]
         kf, vf = funcol.all_gather_tensor(k, 1, group), funcol.all_gather_tensor(v, 1, group)
         out = total = m = None
-        for j in range(r + 1):
+        for j in _seen(r, w, causal):
             kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
-            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, bug), float("-inf"))
+            s = _scores(q, kj, r, j, causal, bug)
             mj = s.amax(-1, keepdim=True)
             e = torch.exp(s - mj)
             if out is None:
@@ -143,7 +186,7 @@ class RingAttention(torch.autograd.Function):
             m = new
         lse = m + torch.log(total)
         ctx.save_for_backward(q, kf, vf, lse)
-        ctx.group, ctx.bug = group, bug
+        ctx.group, ctx.bug, ctx.causal = group, bug, causal
         return out / total
 
     @staticmethod
@@ -152,16 +195,16 @@ class RingAttention(torch.autograd.Function):
         group = ctx.group
         w, r, n, scale = dist.get_world_size(group), dist.get_rank(group), q.shape[1], q.shape[-1] ** -0.5
         ps, dps = [], []
-        for j in range(r + 1):
+        for j in _seen(r, w, ctx.causal):
             kj, vj = kf[:, j * n:(j + 1) * n], vf[:, j * n:(j + 1) * n]
-            s = (q @ kj.transpose(1, 2) * scale).masked_fill(_blocks(r, n, j, ctx.bug), float("-inf"))
+            s = _scores(q, kj, r, j, ctx.causal, ctx.bug)
             ps.append(torch.exp(s - lse))  # block j of the whole row's softmax
             dps.append(dout @ vj.transpose(1, 2))
         d = sum((dp * p).sum(-1, keepdim=True) for dp, p in zip(dps, ps, strict=True))
         dq = torch.zeros_like(q)
         dks, dvs = [], []
         for j in range(w):
-            if j > r:  # a later block: no query here sees it
+            if ctx.causal and j > r:  # a later block: no query here sees it
                 dks.append(torch.zeros_like(q))
                 dvs.append(torch.zeros_like(q))
                 continue
@@ -172,16 +215,16 @@ class RingAttention(torch.autograd.Function):
             dvs.append(ps[j].transpose(1, 2) @ dout)
         dk = funcol.reduce_scatter_tensor(torch.cat(dks, 1), "sum", 1, group)
         dv = funcol.reduce_scatter_tensor(torch.cat(dvs, 1), "sum", 1, group)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 class Attention(nn.Module):
-    """Multi-head causal attention; `mode` None: the whole sequence here (the sequential
+    """Multi-head attention, causal or not; `mode` None: the whole sequence here (the sequential
     model), else this rank's block of it under "ulysses" or "ring"."""
 
-    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None, causal: bool = True) -> None:
         super().__init__()
-        self.heads, self.mode, self.bug = heads, mode, bug
+        self.heads, self.mode, self.bug, self.causal = heads, mode, bug, causal
         self.qkv = nn.Linear(H, 3 * H, bias=False)
         self.proj = nn.Linear(H, H, bias=False)
 
@@ -192,25 +235,25 @@ class Attention(nn.Module):
                    for t in self.qkv(x).chunk(3, dim=-1))  # BUG: qkv_grad_not_reduced
         group = dist.group.WORLD
         if self.mode is None:
-            o = causal_attention(q, k, v)
+            o = attention(q, k, v, self.causal)
         elif self.mode == "ulysses":
             # heads scattered, sequence gathered: [NH/W, T, D], ordinary attention on it
             q, k, v = (SeqAllToAll.apply(t, 0, 1, group) for t in (q, k, v))
-            o = causal_attention(q, k, v)
+            o = attention(q, k, v, self.causal)
             if self.bug == "ulysses_gather_wrong_dim":
                 o = SeqAllToAll.apply(o, 1, 2, group)  # BUG: ulysses_gather_wrong_dim
             else:
                 o = SeqAllToAll.apply(o, 1, 0, group)  # sequence scattered, heads gathered back
         else:
-            o = RingAttention.apply(q, k, v, group, self.bug)
+            o = RingAttention.apply(q, k, v, group, self.bug, self.causal)
         return self.proj(o.transpose(0, 1).reshape(tokens, H))
 
 
 class Block(nn.Module):
-    def __init__(self, heads: int, mode: str | None, bug: str | None) -> None:
+    def __init__(self, heads: int, mode: str | None, bug: str | None, causal: bool) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(H), nn.LayerNorm(H)
-        self.attn = Attention(heads, mode, bug)
+        self.attn = Attention(heads, mode, bug, causal)
         self.fc1, self.fc2 = nn.Linear(H, 2 * H), nn.Linear(2 * H, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,9 +262,9 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None) -> None:
+    def __init__(self, heads: int, mode: str | None = None, bug: str | None = None, causal: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block(heads, mode, bug) for _ in range(LAYERS))
+        self.layers = nn.ModuleList(Block(heads, mode, bug, causal) for _ in range(LAYERS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -251,14 +294,14 @@ def make_case(config: str, bug: str | None = None) -> capture.Spec:
         raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(_CONFIGS)})")
     if bug is not None and bug not in PROGRAM.bugs and bug not in RING_BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(PROGRAM.bugs)}, {', '.join(RING_BUGS)})")
-    mode, world, heads = _CONFIGS[config]
+    mode, world, heads, causal = _CONFIGS[config]
     torch.manual_seed(0)
-    seq = Model(heads)
+    seq = Model(heads, causal=causal)
     x, target = torch.randn(T, H), torch.randn(T, H)
     n = T // world
 
     def rank(r: int) -> capture.Step:
-        model = Model(heads, mode, bug)
+        model = Model(heads, mode, bug, causal)
         model.load_state_dict(seq.state_dict())
         for p in model.parameters():
             capture.replicate(p)

@@ -287,20 +287,24 @@ def exchanges_near(prog: DistProgram, leaves: set[str], hops: int) -> bool:
     """Whether a rank sends one of `leaves` (through views, slices, concats) through an
     all_to_all within `hops` uses: a re-layout (DeepSpeed-Ulysses' heads for sequence, an
     expert-parallel dispatch), whose chunks, stacks, concats and views around the exchange
-    put the counterpart many uses away though no op but the exchange computes anything."""
-    layer = set(leaves)
+    put the counterpart many uses away though no op but the exchange computes anything.
+    So does a reduce_scatter or all_gather reached through a slice: its operand re-laid out
+    (funcol's reduce_scatter_tensor over a dim other than 0 chunks that dim and concatenates
+    the chunks along dim 0 for the collective)."""
+    layer = {x: False for x in leaves}  # tensor -> reached through a slice
     seen = set(layer)
     for _ in range(hops):
-        nxt: set[str] = set()
-        for x in sorted(layer):
+        nxt: dict[str, bool] = {}
+        for x, sliced in sorted(layer.items()):
             for u in prog.users.get(x, ()):
                 node, d = prog.nodes.get(u), prog.defs.get(u)
-                if node is not None and node.op == "all_to_all":
+                if node is not None and (node.op == "all_to_all" or
+                                         (sliced and node.op in ("reduce_scatter", "all_gather"))):
                     return True
                 if u in seen or d is None or d.op not in _WALK_OPS:
                     continue
                 seen.add(u)
-                nxt.add(u)
+                nxt[u] = sliced or d.op == "slice"
         layer = nxt
     return False
 

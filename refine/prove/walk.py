@@ -126,7 +126,10 @@ def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
 
 
 _STRUCTURAL = frozenset({"view", "slice", "cat", "Sum", "Scale", "transpose"})
-_PASS_FUSED = frozenset({"view", "cat"})  # ops whose result over a fused term stays a term (infer)
+# ops whose result over a fused term stays a term (infer): views and concats of it, and a
+# product with it or its scale (softmax backward's -P * D: flash-style ranks distribute
+# P_j * (dP_j - D), so the product alone is no rank tensor, only its difference with P * dP is)
+_PASS_FUSED = frozenset({"view", "cat", "mul_t", "Scale"})
 
 
 @dataclass
