@@ -245,6 +245,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         "collectives": sum(1 for g in dist.ranks.values() for n in g.nodes
                            if registry.ops[n.op].kind == "collective"),
         "aten_ops": dict(aten_ops),
+        # the values of the ranks' scalar reads (refine.frontends.capture.scalars), by rank
+        "scalar_reads": {r: list(v) for r, v in known.items() if v},
     }
     return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats, unchecked)
 
