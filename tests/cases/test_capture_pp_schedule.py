@@ -161,5 +161,28 @@ def test_reading_a_random_value_is_refused() -> None:
         capture(_spec(factor, world=2))
 
 
+def test_reading_uninitialized_memory_is_refused_but_a_received_buffer_is_read() -> None:
+    """`torch.empty` holds no constant until something writes it: a read of it is refused; the
+    same buffer filled by a recv of a constant is read."""
+    def unwritten() -> int:
+        return int(torch.empty(1, dtype=torch.int64).item())
+
+    with pytest.raises(CaptureError, match="data-dependent control flow"):
+        capture(_spec(unwritten, world=2))
+
+    def received() -> int:
+        if dist.get_rank() == 0:
+            v = torch.full((1,), 2)
+            dist.send(v, dst=1)
+        else:
+            v = torch.empty(1, dtype=torch.int64)
+            dist.recv(v, src=0)  # overwrites the whole buffer
+        return int(v.item())
+
+    case = capture(_spec(received, world=2))
+    assert case.stats["scalar_reads"] == {0: [2], 1: [2]}
+    assert case.check().refines
+
+
 _current: nn.Module = nn.Linear(4, 4)
 

@@ -113,6 +113,23 @@ class Runner:
         self.env: dict[tuple[int, fx.Node], Any] = {}
         self.tainted: set[tuple[int, fx.Node]] = set()
         self.channels: dict[tuple[int, int], deque[tuple[torch.Tensor, bool]]] = {}
+        # storages an input-dependent value was written into (through any view of them)
+        self.dirty: set[tuple[int, int]] = set()
+
+    def storage(self, rank: int, a: Any) -> tuple[int, int] | None:
+        v = self.env.get((rank, a)) if isinstance(a, fx.Node) else None
+        return (rank, v.untyped_storage().data_ptr()) if isinstance(v, torch.Tensor) else None
+
+    def clean(self, rank: int, a: fx.Node, t: torch.Tensor) -> None:
+        """`a` (holding `t`) was overwritten whole by constants: its storage too, if `t` covers it."""
+        self.tainted.discard((rank, a))
+        if t.numel() * t.element_size() == t.untyped_storage().nbytes():
+            self.dirty.discard((rank, t.untyped_storage().data_ptr()))
+
+    def dirty_write(self, rank: int, a: Any) -> None:
+        self.tainted.add((rank, a))
+        if (s := self.storage(rank, a)) is not None:
+            self.dirty.add(s)
 
     def value(self, rank: int, a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -128,7 +145,7 @@ class Runner:
 
         def visit(a: Any) -> None:
             nonlocal found
-            if isinstance(a, fx.Node) and (rank, a) in self.tainted:
+            if isinstance(a, fx.Node) and ((rank, a) in self.tainted or self.storage(rank, a) in self.dirty):
                 found = True
         fx.node.map_aggregate(args, visit)
         return found
@@ -161,7 +178,8 @@ def _step(rank: int, n: fx.Node, root: torch.nn.Module, where: str) -> Callable[
         return placeholder
     if n.op == "get_attr":
         def get_attr(run: Runner) -> bool:
-            run.env[key] = getattr(root, n.target)  # type: ignore[arg-type]
+            v = getattr(root, n.target)  # type: ignore[arg-type]
+            run.env[key] = v.clone() if isinstance(v, torch.Tensor) else v  # the graph's constant stays as is
             return True
         return get_attr
     if n.op == "output":
@@ -201,16 +219,35 @@ def _step(rank: int, n: fx.Node, root: torch.nn.Module, where: str) -> Callable[
             into = run.value(rank, buf)
             if x is not None and into is not None:
                 into.copy_(x)
-            if tainted or x is None:
-                run.tainted.add((rank, buf))
+            if tainted or x is None or into is None:
+                run.dirty_write(rank, buf)
+            else:  # a buffer made by `empty` holds the received values now
+                run.clean(rank, buf, into)
             run.env[key] = None
             return True
         return recv
     if qual.split("::")[0] != "aten":
         return _refusing(rank, n, where, qual)
+    # random numbers, and uninitialized memory (a read of it before a write is no constant)
     random = torch.Tag.nondeterministic_seeded in target.tags
 
     def call(run: Runner) -> bool:
+        if qual in _SHAPE_ONLY and run.value(rank, n_args[0]) is not None and \
+                not run.taint_of(rank, (n_args[1:], n_kwargs)):
+            run.env[key] = target(*run.value(rank, n_args), **run.value(rank, n_kwargs))
+            return True
+        if qual in _OVERWRITING and not run.taint_of(rank, (n_args[1:], n_kwargs)):
+            # writes every element of its first argument without reading it: that tensor holds
+            # a constant now, whatever it held before (an `empty` buffer filled)
+            dst = run.value(rank, n_args[0])
+            if dst is not None:
+                run.env[key] = target(dst, *run.value(rank, n_args[1:]), **run.value(rank, n_kwargs))
+                run.clean(rank, n_args[0], dst)
+                return True
+        if qual in _UNINITIALIZED and not run.taint_of(rank, (n_args, n_kwargs)):
+            run.env[key] = target(*run.value(rank, n_args), **run.value(rank, n_kwargs))
+            run.dirty_write(rank, n)  # until a recv overwrites it
+            return True
         if random or run.taint_of(rank, (n_args, n_kwargs)):
             run.tainted.add(key)
             # a tainted value is never needed; in-place ops taint what they write
@@ -223,12 +260,22 @@ def _step(rank: int, n: fx.Node, root: torch.nn.Module, where: str) -> Callable[
     return call
 
 
+_OVERWRITING = {"aten::fill_", "aten::zero_", "aten::copy_"}  # in place, reading nothing of their first argument
+_SHAPE_ONLY = {"aten::full_like", "aten::zeros_like", "aten::ones_like"}  # read their first argument's shape only
+_UNINITIALIZED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                  "aten::new_empty_strided", "aten::empty_permuted"}
+
+
 def _taint_written(run: Runner, rank: int, target: Any, args: Any, kwargs: dict[str, Any]) -> None:
+    """An op not run (its value depends on the inputs) taints what it writes in place, with
+    every view of it (the storage)."""
     a = aten.bind(target, args, kwargs)
     for arg in target._schema.arguments:
         v = a.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(v, fx.Node):
-            run.tainted.add((rank, v))
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            for w in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(w, fx.Node):
+                    run.dirty_write(rank, w)
 
 
 def _refusing(rank: int, n: fx.Node, where: str, what: str) -> Callable[[Runner], bool]:
@@ -273,7 +320,7 @@ def evaluate(programs: list[Program]) -> dict[int, list[int | float | bool]]:
     for p in programs:
         for read in p.reads:
             key = (p.rank, read.node)
-            if key in run.tainted:
+            if run.taint_of(p.rank, read.node):
                 raise CaptureError(
                     f"{by_rank[p.rank].where}: the step branches on (or reads) a tensor's value that depends on "
                     "the step's inputs (parameters, data) or on random numbers, which a trace cannot follow: "
