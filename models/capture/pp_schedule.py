@@ -6,9 +6,10 @@ training step captured.
 The sequential model is a stack of blocks (`model="mlp"`: Linear + GELU blocks;
 `model="transformer"`: pre-norm blocks of causal self-attention and an MLP) and a mean-squared
 error loss. The pipeline splits it as torch's pipelining tutorial does: each rank copies the
-model, deletes the blocks it does not hold and wraps the rest in a `PipelineStage` (with the
-micro-batch's input and output given, so the stages agree on static shapes), and a schedule
-(`ScheduleGPipe` or `Schedule1F1B`) runs `step(x)` on the first stage, `step(target=y,
+model, deletes the blocks it does not hold and wraps each block it holds in a `PipelineStage`
+(with the micro-batch's input and output given, so the stages agree on static shapes), and a
+schedule (`ScheduleGPipe` or `Schedule1F1B` over one stage per rank; `"interleaved"`:
+`ScheduleInterleaved1F1B` over two virtual stages per rank, r and r + world_size) runs `step(x)` on the first stage, `step(target=y,
 losses=losses)` on the last; the schedule splits the batch into `micro` micro-batches, and
 scales the gradients by 1/micro (its default `scale_grads=True`).
 
@@ -25,15 +26,19 @@ traced prefixes (refine.frontends.capture.scalars). `make_case(bug=...)` builds 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from refine import capture
 
 B, T, H = 8, 4, 8  # batch, tokens (transformer), hidden size
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 BUGS: dict[str, dict[str, object]] = {"grads_not_scaled": {}, "zero_grad_after_step": {}}
 
 
@@ -110,32 +115,34 @@ def make_case(world_size: int = 2, schedule: str = "gpipe", micro: int = 2, mode
               bug: str | None = None) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
+    virtual = 2 if schedule == "interleaved" else 1  # stages per rank: r, r + world_size, ...
+    stages = world_size * virtual
     torch.manual_seed(0)
-    seq = Stack(world_size, model)
+    seq = Stack(stages, model)
     shape = (B, H) if model == "mlp" else (B, T, H)
     x, y = torch.randn(shape), torch.randn(shape)
 
     def rank(r: int) -> capture.Step:
-        first, last = r == 0, r == world_size - 1
-        part = Stack(world_size, model)
-        part.load_state_dict(seq.state_dict())
-        for k in list(part.blocks):
-            if k != str(r):
-                del part.blocks[k]
+        first, last = r == 0, r == world_size - 1  # holds stage 0, holds the last stage
+        held = Stack(stages, model)
+        held.load_state_dict(seq.state_dict())
+        mine = [r + v * world_size for v in range(virtual)]
+        for k in list(held.blocks):
+            if int(k) not in mine:
+                del held.blocks[k]
         mb = (B // micro, *shape[1:])
-        stage = PipelineStage(part, r, world_size, torch.device("cpu"),
-                              input_args=torch.empty(mb, requires_grad=not first),
-                              output_args=torch.empty(mb, requires_grad=True))
-        sched = SCHEDULES[schedule](stage, n_microbatches=micro, loss_fn=loss_fn,
-                                    scale_grads=bug != "grads_not_scaled")  # BUG: grads_not_scaled
+        pipeline_stages = []
+        for i in mine:  # a stage's module: the rank's block i (shared with `held`)
+            part = Stack(0, model)
+            part.blocks[str(i)] = held.blocks[str(i)]
+            pipeline_stages.append(PipelineStage(part, i, stages, torch.device("cpu"),
+                                                 input_args=torch.empty(mb, requires_grad=i > 0),
+                                                 output_args=torch.empty(mb, requires_grad=True)))
+        sched = SCHEDULES[schedule](pipeline_stages if virtual > 1 else pipeline_stages[0], n_microbatches=micro,
+                                    loss_fn=loss_fn, scale_grads=bug != "grads_not_scaled")  # BUG: grads_not_scaled
         inputs = {"x": x} if first else {"y": y} if last else {}
-        return capture.Step(part, pipeline_step(sched, first, last, bug), inputs)
+        return capture.Step(held, pipeline_step(sched, first, last, bug), inputs)
 
     return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "y": y}), rank=rank,
                         world_size=world_size, mesh={"pp": world_size},
                         name=f"pp_{model}_{schedule}_{world_size}x{micro}{'_bug_' + bug if bug else ''}")
-
-
-def stage_ranks() -> list[int]:
-    """The global ranks of the default group (for the tests)."""
-    return list(range(dist.get_world_size()))

@@ -52,6 +52,19 @@ def test_schedules_refine(kw: dict[str, object]) -> None:
     assert {o.name for o in report.outputs} == {"loss"} | grads(int(kw.get("world_size", 2)), str(kw.get("model", "mlp")))
 
 
+def test_interleaved_virtual_stages_refine() -> None:
+    """ScheduleInterleaved1F1B over 2 ranks, 4 stages (rank r holds stages r and r + 2): each
+    rank votes once per stage it holds, both votes read in the trace."""
+    case = capture(PP.make_case(schedule="interleaved", micro=4))
+    assert case.stats["scalar_reads"] == {0: [1, 1], 1: [1, 1]}
+    held = {r: sorted({i["name"].split(".")[1] for i in g["graph"]["inputs"] if i["name"].startswith("blocks.")})
+            for r, g in enumerate(case.dist_doc["ranks"])}
+    assert held == {0: ["0", "2"], 1: ["1", "3"]}
+    report = case.check()
+    assert report.refines, report
+    assert {o.name for o in report.outputs} == {"loss"} | grads(4)
+
+
 def test_1f1b_interleaves_forward_and_backward_sends() -> None:
     """At 4 micro-batches, 1F1B's last stage sends a gradient back before it has received the
     last activations (GPipe receives all first)."""

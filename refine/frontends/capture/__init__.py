@@ -55,12 +55,13 @@ value that depends on no input and no random number, only on constants the ranks
 torch.distributed.pipelining schedule's vote on static or dynamic shape inference), is
 resolved by running the ranks' traced prefixes with real tensors and traced as that value;
 every read is evaluated again on the final traces. A read of an input-dependent value is
-data-dependent control flow, refused at its line. So GPipe and 1F1B schedules of
-`torch.distributed.pipelining` are captured (models/capture/pp_schedule.py; stages given their
-micro-batch's input and output, as dynamic shape inference exchanges pickled objects).
+data-dependent control flow, refused at its line. So `torch.distributed.pipelining`'s GPipe,
+1F1B and interleaved 1F1B schedules are captured (models/capture/pp_schedule.py; stages given
+their micro-batch's input and output: dynamic shape inference exchanges pickled objects, not
+covered).
 
-Not covered: interleaved (virtual) pipeline stages; pipeline stages that are also tensor
-parallel (a tensor only some ranks hold must be held whole). `isend`/`irecv` count as
+Not covered: pipeline stages that are also tensor parallel (a tensor only some ranks hold
+must be held whole). `isend`/`irecv` count as
 blocking where issued (their waits are not traced).
 
 Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
