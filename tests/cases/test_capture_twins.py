@@ -69,6 +69,10 @@ CANNOT: dict[tuple[str, str], str] = {
     ("moe_ep", "gate_not_renormalized"):
         "the left-out op is a division of the gate weights (after line 83): repairing their value fixes the "
         "forward, but not the router's gradient, which misses the division's backward",
+    ("pp_schedule", "grads_not_scaled"):
+        "the missing 1/micro is torch's own gradient scaling (scale_grads, a div_ inside the schedule, no user "
+        "line): the wrong-constant repair names the loss function's line (line 82), where dividing each "
+        "micro-batch loss by micro is the equivalent fix",
     ("vocab_ce", "ignored_in_denominator"):
         "the draws never hit the ignore index -100, so the outputs agree (UNPROVEN); on draws that do, the wrong "
         "count is a constant of the division (target.numel(), line 154) that also scales its backward, so no "

@@ -50,9 +50,19 @@ permutation, `scatter_add` to unpermute; `all_to_all_single` then splits evenly)
 unstable `sort`, `topk(largest=False)` or `scatter(reduce=...)` is refused (ties or
 reductions would be unspecified).
 
-Not covered: interleaved (virtual) pipeline stages and micro-batch schedules (1F1B);
-pipeline stages that are also tensor parallel (a tensor only some ranks hold must be held
-whole). `isend`/`irecv` count as blocking where issued (their waits are not traced).
+Scalar reads (refine.frontends.capture.scalars): a rank's `t.item()` (`int(t)`, `bool(t)`) of a
+value that depends on no input and no random number, only on constants the ranks exchange (a
+torch.distributed.pipelining schedule's vote on static or dynamic shape inference), is
+resolved by running the ranks' traced prefixes with real tensors and traced as that value;
+every read is evaluated again on the final traces. A read of an input-dependent value is
+data-dependent control flow, refused at its line. So `torch.distributed.pipelining`'s GPipe,
+1F1B and interleaved 1F1B schedules are captured (models/capture/pp_schedule.py; stages given
+their micro-batch's input and output: dynamic shape inference exchanges pickled objects, not
+covered).
+
+Not covered: pipeline stages that are also tensor parallel (a tensor only some ranks hold
+must be held whole). `isend`/`irecv` count as
+blocking where issued (their waits are not traced).
 
 Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
 itself to a DDP-wrapped model), refine.frontends.capture.megatron (Megatron-core),

@@ -46,6 +46,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from refine.frontends.build import write_case
+from refine.frontends.capture import scalars
 from refine.frontends.capture.annotate import (
     Annotation,
     check_groups,
@@ -192,34 +193,30 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     seq_cv = convert(seq_tr, registry, "the sequential step")
     t_seq = time.perf_counter() - t0
     ranks: dict[int, _Rank] = {}
-    for r in range(spec.world_size):
-        where = f"rank {r}"
-        with fake_process_group(r, spec.world_size), collecting() as named, watching() as made:
-            try:
-                with local_distribution():
-                    step = spec.rank(r)
-            except CaptureError:
-                raise
-            except Exception as e:
-                from refine.frontends.capture.trace import exception_source
-
-                raise CaptureError(f"{where}: the rank factory failed: {type(e).__name__}: {e}",
-                                   exception_source(e)) from e
-            tr = trace_step(step, where)
-            cv = convert(tr, registry, where)
-        names = {n for n, _, _ in tr.inputs}
-        unknown = sorted(set(named) - names)
-        if unknown:
-            raise CaptureError(f"{where}: annotated {unknown}, which are not inputs of the rank's step "
-                               f"(parameters, buffers and inputs: {', '.join(sorted(names))})")
-        received = [v for _, _, v in tr.inputs]
-        for t, ann, line in made:
-            if (why := _lost(t, received)) is not None:
-                raise CaptureError(
-                    f"{where}: the tensor annotated {ann.describe()} at {line} (shape {tuple(t.shape)}) is not a "
-                    f"parameter, buffer or input of the rank's step; {why}. Annotate the tensor the step receives "
-                    "(capture.shard(x.squeeze(0), 0), not capture.shard(x, 0).squeeze(0)).")
-        ranks[r] = _Rank(tr, cv, tr.annotations | named)
+    known: dict[int, list[Any]] = {r: [] for r in range(spec.world_size)}  # scalar reads resolved so far
+    programs: dict[int, scalars.Program] = {}  # each rank's trace (prefix) as a program to run concretely
+    pending = list(range(spec.world_size))
+    while pending:  # trace; ranks stopped at an unknown scalar read are traced again once it is known
+        stopped: list[int] = []
+        for r in pending:
+            traced = _trace_rank(spec, r, known[r], registry)
+            if isinstance(traced, scalars.Program):
+                programs[r] = traced
+                stopped.append(r)
+            else:
+                ranks[r], programs[r] = traced
+        if stopped:
+            for r, got in scalars.evaluate(list(programs.values())).items():
+                if r in stopped:
+                    known[r].append(got[-1])
+        pending = stopped
+    if any(rk.traced.reads for rk in ranks.values()):
+        # the final traces must give every read the value it took
+        final = scalars.evaluate(list(programs.values()))
+        for r, got in final.items():
+            if got != known[r]:
+                raise CaptureError(f"rank {r}: its scalar reads gave {got} on the final trace, but the trace took "
+                                   f"{known[r]}: the traced program is not deterministic")
     t_ranks = time.perf_counter() - t0 - t_seq
 
     notes: list[str] = []
@@ -248,8 +245,48 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         "collectives": sum(1 for g in dist.ranks.values() for n in g.nodes
                            if registry.ops[n.op].kind == "collective"),
         "aten_ops": dict(aten_ops),
+        # the values of the ranks' scalar reads (refine.frontends.capture.scalars), by rank
+        "scalar_reads": {r: list(v) for r, v in known.items() if v},
     }
     return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats, unchecked)
+
+
+def _trace_rank(spec: Spec, r: int, known: list[Any], registry: Registry
+                ) -> tuple[_Rank, scalars.Program] | scalars.Program:
+    """Rank r's trace, converted (and as a program to run its scalar reads), or, if it stopped at
+    a scalar read not in `known`, the program of its prefix up to that read."""
+    where = f"rank {r}"
+    with fake_process_group(r, spec.world_size), collecting() as named, watching() as made:
+        try:
+            with local_distribution():
+                step = spec.rank(r)
+        except CaptureError:
+            raise
+        except Exception as e:
+            from refine.frontends.capture.trace import exception_source
+
+            raise CaptureError(f"{where}: the rank factory failed: {type(e).__name__}: {e}",
+                               exception_source(e)) from e
+        try:
+            tr = trace_step(step, where, scalars.Reads(known=list(known)))
+        except scalars.Unresolved as u:  # p2p peers resolve in the rank's process group: compile here
+            return scalars.compile_rank(r, u.graph, u.root, u.read.cutoff, [u.read], where)
+        program = scalars.compile_rank(r, tr.gm.graph, tr.gm, max((x.cutoff for x in tr.reads), default=0),
+                                       tr.reads, where)
+        cv = convert(tr, registry, where)
+    names = {n for n, _, _ in tr.inputs}
+    unknown = sorted(set(named) - names)
+    if unknown:
+        raise CaptureError(f"{where}: annotated {unknown}, which are not inputs of the rank's step "
+                           f"(parameters, buffers and inputs: {', '.join(sorted(names))})")
+    received = [v for _, _, v in tr.inputs]
+    for t, ann, line in made:
+        if (why := _lost(t, received)) is not None:
+            raise CaptureError(
+                f"{where}: the tensor annotated {ann.describe()} at {line} (shape {tuple(t.shape)}) is not a "
+                f"parameter, buffer or input of the rank's step; {why}. Annotate the tensor the step receives "
+                "(capture.shard(x.squeeze(0), 0), not capture.shard(x, 0).squeeze(0)).")
+    return _Rank(tr, cv, tr.annotations | named), program
 
 
 def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:

@@ -433,7 +433,11 @@ class Emitter:
         peer = a["dst"] if qual == "c10d::send" else a["src"]
         if not 0 <= peer < len(group):
             raise self.fail(f"peer {peer} is not a rank of group {group}")
-        val = x.meta["val"]
+        buf = x  # a received buffer sent on is the recv (check_mutations): its type is the buffer's
+        while isinstance(buf, fx.Node) and isinstance(buf.target, torch._ops.OpOverload) and \
+                buf.target._schema.name == "c10d::recv_":
+            buf = aten.bind(buf.target, buf.args, buf.kwargs)["tensors"][0]
+        val = buf.meta["val"]
         batch = n.meta.get(BATCH)  # posted by one batch_isend_irecv call (refine.ops.schedule)
         if qual == "c10d::send":
             return self.emit("send", [self.value(x)], {"peer": group[peer], "batch": batch}, val=val)

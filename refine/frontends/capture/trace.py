@@ -82,6 +82,8 @@ class Traced:
     # place: an optimizer step); refine.frontends.capture.convert keeps those it changed
     finals: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)  # of `finals`, those the step changed (set by convert)
+    # scalar reads the step made (refine.frontends.capture.scalars), in order
+    reads: list[Any] = field(default_factory=list)
 
 
 @contextmanager
@@ -237,10 +239,13 @@ def _marking_batches() -> Iterator[None]:
         yield
 
 
-def trace_step(step: Step, where: str) -> Traced:
-    """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1")."""
+def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
+    """The aten graph of `step` (`where` names it in messages: "the sequential step", "rank 1").
+    `reads` (refine.frontends.capture.scalars.Reads): the values of the step's scalar reads
+    known so far; a read past them stops the trace (scalars.Unresolved)."""
     from refine.frontends.capture.annotate import annotation_of
     from refine.frontends.capture.dtensor import Locals, is_dtensor
+    from refine.frontends.capture.scalars import ReadingScalars, Unresolved
 
     if not isinstance(step, Step):
         raise CaptureError(f"{where}: expected a refine.capture.Step, got {type(step).__name__}")
@@ -265,6 +270,7 @@ def trace_step(step: Step, where: str) -> Traced:
     has_loss: list[bool] = []
     # DTensors are traced as local tensors (refine.frontends.capture.dtensor)
     local = Locals(params | buffers | inputs)
+    reading = ReadingScalars(reads, _user_line) if reads is not None else nullcontext()  # else make_fx refuses reads
 
     def _traced_step(p_vals: list[torch.Tensor], b_vals: list[torch.Tensor], x_vals: list[torch.Tensor]) -> Any:
         leaves = {n: local.rebuild(n, v).detach().requires_grad_(params[n].requires_grad)
@@ -274,7 +280,8 @@ def trace_step(step: Step, where: str) -> Traced:
         if ddp is not None:
             ddp.hook(leaves)
         state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
-        with _reparametrize_module(model, state, tie_weights=True), ddp.forwarding() if ddp is not None else nullcontext():
+        with _reparametrize_module(model, state, tie_weights=True), \
+                ddp.forwarding() if ddp is not None else nullcontext(), reading:
             loss = step.step(step.model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
         if loss is None and where != "the sequential step":
             out = []  # a pipeline stage without the loss
@@ -302,7 +309,7 @@ def trace_step(step: Step, where: str) -> Traced:
         with _recording_sources(), _marking_batches(), math_attention():
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
                          record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
-    except CaptureError:
+    except (CaptureError, Unresolved):
         raise
     except Exception as e:
         raise CaptureError(f"{where}: cannot trace the step: {_why(e)}", exception_source(e)) from e
@@ -311,7 +318,8 @@ def trace_step(step: Step, where: str) -> Traced:
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
-                  local.grad_annotations, has_loss[-1], ddp is not None, finals)
+                  local.grad_annotations, has_loss[-1], ddp is not None, finals,
+                  reads=list(reads.made) if reads is not None else [])
 
 
 # ---------------------------------------------------------------------------------------
@@ -412,6 +420,12 @@ def _accumulator_held(p: torch.Tensor) -> bool:
     held = "refine_capture_probe" in node.metadata
     node.metadata.pop("refine_capture_probe", None)
     return held
+
+
+def _user_line() -> str | None:
+    """"file.py:line" of the innermost user frame running now."""
+    frames = _user_frames(traceback.extract_stack())
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else None
 
 
 def _why(e: Exception) -> str:
