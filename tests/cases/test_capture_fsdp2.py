@@ -100,7 +100,7 @@ def test_fsdp2_refines(world: int, micro: int) -> None:
     assert report.verdict == "REFINES", report
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_hsdp_refines(world: int) -> None:
     """HSDP: a 2-D (replicate, shard) mesh; the gradient is reduce-scattered over the shard
     axis and all-reduced over the replicate axis."""
@@ -203,7 +203,7 @@ class TPMLP(MLP):
         self.fc1, self.fc2 = nn.Linear(H, 6), nn.Linear(6, H)
 
 
-@pytest.mark.parametrize("bug", [None, "divide_factor_world_squared"])
+@pytest.mark.parametrize("bug", [pytest.param(None, marks=pytest.mark.slow), "divide_factor_world_squared"])
 def test_fsdp2_with_tensor_parallel(bug: str | None) -> None:
     case = capture(make_tp_case(bug=bug))
     assert (wrong_numerically(case) == set()) == (bug is None)
