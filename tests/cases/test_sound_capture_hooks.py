@@ -7,9 +7,11 @@ silently: a rank scaling a gradient in a hook REFINED, and a correct program tha
 synchronises its gradients from hooks did not. Now they are registered again on the leaves
 and traced. Module hooks (forward, forward-pre, full backward, global) run inside the traced
 call and are traced with it. What cannot be traced is refused with its name: data-parallel
-wrappers whose communication runs from hooks the trace cannot see (fully_shard, a
-DistributedDataParallel inside a model), hooks held on a parameter's gradient accumulator,
-gradient hooks on data inputs.
+wrappers whose communication runs from hooks the trace cannot see (a DistributedDataParallel
+inside a model), hooks held on a parameter's gradient accumulator, gradient hooks on data
+inputs. FSDP2's fully_shard, whose hooks all-gather and reduce-scatter, has its communication
+written into the trace (refine.frontends.capture.fsdp), and a hook setting of it that glue
+does not model is refused by name.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ def test_distributed_data_parallel_inside_a_model_is_refused_by_name() -> None:
     assert "all-reduces the gradients" in text and "dist.all_reduce(p.grad" in text
 
 
-def test_fully_shard_is_refused_by_name() -> None:
+def fully_shard_spec(configure: Callable[[nn.Module], None] | None = None) -> capture.Spec:
     fsdp = pytest.importorskip("torch.distributed.fsdp")
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -232,10 +234,23 @@ def test_fully_shard_is_refused_by_name() -> None:
         model = MLP()
         model.load_state_dict(seq.state_dict())
         fsdp.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        if configure is not None:
+            configure(model)
         return capture.Step(model, step, {"x": x})
 
-    with pytest.raises(CaptureError, match=r"rank 0: the model is a torch.distributed.fsdp.FSDPModule.*fully_shard"):
-        capture(capture.Spec(capture.Step(seq, step, {"x": x}), rank, world_size=2))
+    return capture.Spec(capture.Step(seq, step, {"x": x}), rank, world_size=2)
+
+
+def test_fully_shard_communication_is_traced_not_dropped() -> None:
+    case = capture(fully_shard_spec())
+    ops = {n.op for g in case.dist.ranks.values() for n in g.nodes}
+    assert {"all_gather", "reduce_scatter"} <= ops
+
+
+def test_a_fully_shard_hook_capture_does_not_model_is_refused_by_name() -> None:
+    with pytest.raises(CaptureError, match=r"rank 0: FSDP parameter '.*' is reduced with a setting capture does not "
+                                           r"model: an all-reduce hook"):
+        capture(fully_shard_spec(lambda m: m.set_all_reduce_hook(lambda t: None)))
 
 
 def test_a_hook_on_a_gradient_accumulator_is_refused() -> None:

@@ -65,7 +65,11 @@ must be held whole). `isend`/`irecv` count as
 blocking where issued (their waits are not traced).
 
 Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
-itself to a DDP-wrapped model), refine.frontends.capture.megatron (Megatron-core),
+itself to a DDP-wrapped model), refine.frontends.capture.fsdp (torch's FSDP2 `fully_shard`,
+applied by itself to a model with fully_shard modules: per layer, grouped, HSDP, over TP
+DTensors, gradient sync toggled, divide factor, reduce dtype; its parameters are traced as
+their padded dim-0 shards, `Annotation.padded`; settings it does not model are refused by
+name), refine.frontends.capture.megatron (Megatron-core),
 refine.frontends.capture.dtensor (`parallelize_module`), refine.frontends.capture.hf
 (transformers' `tp_plan`). For any model library: `trace.register_source_library(pkg)` reports
 nodes at the library's lines, `precision.float64_reference()` keeps its deliberate float32

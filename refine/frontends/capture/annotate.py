@@ -54,8 +54,14 @@ class Annotation:
     # (name, offset in the packed buffer, shape), and the mesh axis its shards run along
     flat: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
     flat_axis: str | None = None
+    # a padded dim-0 shard (FSDP2's): (mesh axis, rows n of the tensor the shards cover, rows
+    # per shard): along that axis the first n rows of the shards' concat are the tensor the
+    # other axes' `placements` place (refine.frontends.capture.fsdp)
+    padded: tuple[str | None, int, int] | None = None
 
     def describe(self) -> str:
+        if self.padded is not None:
+            return f"padded dim-0 shard along {self.padded[0] or 'the mesh'}"
         if self.flat:
             return f"flat shard of {', '.join(n for n, _, _ in self.flat)}"
         if self.layout is not None:
@@ -179,6 +185,55 @@ def flat(target: T, parts: list[tuple[str, tuple[int, ...] | torch.Size]], axis:
     if len({n for n, _, _ in parts_out}) != len(parts_out):
         raise CaptureError("capture.flat: a part is named twice")
     return _annotate(target, Annotation(flat=tuple(parts_out), flat_axis=axis))
+
+
+def padded_layouts(name: str, ann: Annotation, mesh: dict[str, int], what: str) -> list[str]:
+    """The relation of a padded dim-0 shard `name` (`Annotation.padded`): one layout per
+    combination of the Replicate axes' coordinates (every copy must hold the tensor); within
+    one, the padded shards along their axis make the tensor's (TP-local) piece, and the
+    Shard axes concatenate those pieces, the first mesh axis outermost (DTensor's order)."""
+    assert ann.padded is not None
+    axes, sizes = list(mesh), list(mesh.values())
+    pad_axis, rows, per = ann.padded
+    if pad_axis is None:
+        if len(axes) != 1:
+            raise CaptureError(f"{what} is a padded shard without an axis, but the mesh has axes {', '.join(axes)}")
+        pad_axis = axes[0]
+    if pad_axis not in mesh:
+        raise CaptureError(f"{what} is a padded shard along axis {pad_axis!r}, which the mesh does not have "
+                           f"(axes: {', '.join(axes)})")
+    pl = placements_on(Annotation(ann.placements), axes, what)
+    if pl[axes.index(pad_axis)] != "Replicate":
+        raise CaptureError(f"{what} is placed {pl[axes.index(pad_axis)]} on its padded shard's axis {pad_axis!r}")
+    others = [a for a in axes if a != pad_axis]
+    if any(pl[axes.index(a)].startswith("Partial") for a in others):
+        raise CaptureError(f"{what} is a padded shard of a Partial tensor: refine relates held or sharded ones")
+    shard_axes = [a for a in others if pl[axes.index(a)].startswith("Shard")]
+    rep_axes = [a for a in others if a not in shard_axes]
+
+    def rank(coords: dict[str, int]) -> int:
+        r = 0
+        for a, n in zip(axes, sizes, strict=True):
+            r = r * n + coords[a]
+        return r
+
+    def build(i: int, coords: dict[str, int]) -> str:
+        if i == len(shard_axes):
+            shards = [f"{name}@{rank(coords | {pad_axis: k})}" for k in range(mesh[pad_axis])]
+            whole = shards[0] if len(shards) == 1 else f"cat({', '.join(shards)}, dim=0)"
+            return whole if per * len(shards) == rows else f"slice({whole}, 0, 0, {rows})"
+        a = shard_axes[i]
+        dim = int(pl[axes.index(a)][len("Shard("):-1])
+        parts = [build(i + 1, coords | {a: k}) for k in range(mesh[a])]
+        return parts[0] if len(parts) == 1 else f"cat({', '.join(parts)}, dim={dim})"
+
+    out: list[str] = []
+    combos: list[dict[str, int]] = [{}]
+    for a in rep_axes:
+        combos = [c | {a: k} for c in combos for k in range(mesh[a])]
+    for c in combos:
+        out.append(build(0, c))
+    return out
 
 
 def flat_layout(name: str, part: tuple[str, int, tuple[int, ...]], ranks: list[int]) -> str:

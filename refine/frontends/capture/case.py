@@ -52,6 +52,7 @@ from refine.frontends.capture.annotate import (
     check_groups,
     collecting,
     flat_layout,
+    padded_layouts,
     placements_on,
     watching,
 )
@@ -220,8 +221,8 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     t_ranks = time.perf_counter() - t0 - t_seq
 
     notes: list[str] = []
-    relations, placed, guesses, held, flat_grads = _relations(seq_cv, ranks, mesh)
-    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held, flat_grads)
+    relations, placed, guesses, held, flat_grads, grad_layouts = _relations(seq_cv, ranks, mesh)
+    expectations = _expectations(seq_tr, ranks, placed, mesh, notes, held, flat_grads, grad_layouts)
     seq_doc = {"format": FORMAT, "version": VERSION, "kind": "sequential", "graph": seq_cv.graph}
     dist_doc = {
         "format": FORMAT, "version": VERSION, "kind": "distributed",
@@ -299,10 +300,12 @@ def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:
 
 def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str],
-                          dict[str, list[int]], dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]]]:
+                          dict[str, list[int]], dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]],
+                          dict[str, list[str]]]:
     """A relation per sequential input; `placed`: input -> (rank input, placements or None
     for a layout); `held`: inputs that only some ranks hold, whole (pipeline stages) -> those
-    ranks; `flat_grads`: inputs that are parts of a flat shard -> the part and its ranks.
+    ranks; `flat_grads`: inputs that are parts of a flat shard -> the part and its ranks;
+    `grad_layouts`: inputs held as padded shards -> their gradient's layouts.
     Replicate guesses are left out of the document: the checker makes the same guess and
     flags it."""
     axes = list(mesh)
@@ -311,6 +314,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
     guesses: list[str] = []
     held: dict[str, list[int]] = {}
     flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]] = {}  # input -> its flat part, ranks
+    grad_layouts: dict[str, list[str]] = {}
     rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
     for inp in seq_cv.graph["inputs"]:
         s = inp["name"]
@@ -338,7 +342,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
             guesses.append(f"{s}: held whole by ranks {holders} (same name and shape; the other ranks do not use it)")
             continue
         anns = {r: ranks[r].annotations.get(local) for r in ranks}
-        distinct = {a.layout if a and a.layout else tuple(a.placements) if a else None for a in anns.values()}
+        distinct = {a.layout if a and a.layout else (tuple(a.placements), a.padded) if a else None for a in anns.values()}
         if len(distinct) > 1:
             shown = "; ".join(f"rank {r}: {a.describe() if a else 'none'}" for r, a in sorted(anns.items()))
             raise CaptureError(f"{local!r} is annotated differently on different ranks ({shown})")
@@ -347,6 +351,11 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                 check_groups(a, mesh, r, repr(local))
         ann = anns[min(anns)]
         rel: dict[str, Any] = {"from": s}
+        if ann is not None and ann.padded is not None:  # FSDP2's padded dim-0 shards
+            relations.append({"from": s, "layout": padded_layouts(local, ann, mesh, repr(local))})
+            placed[s] = (local, None)
+            grad_layouts[s] = padded_layouts(f"{local}.grad", ann, mesh, repr(local))
+            continue
         if ann is not None and ann.flat:
             part, order = _flat_part(ann, s, local, mesh)
             relations.append({"from": s, "layout": flat_layout(local, part, order)})
@@ -378,7 +387,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
         if any(p != "Replicate" for p in pl) or local != s:
             relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
-    return relations, placed, guesses, held, flat_grads
+    return relations, placed, guesses, held, flat_grads, grad_layouts
 
 
 def _flat_part(ann: Annotation, s: str, local: str, mesh: dict[str, int]
@@ -452,7 +461,8 @@ def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -
 
 def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
                   mesh: dict[str, int], notes: list[str], held: dict[str, list[int]],
-                  flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]]) -> list[dict[str, Any]]:
+                  flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]],
+                  grad_layouts: dict[str, list[str]]) -> list[dict[str, Any]]:
     """The loss is Replicate (or equal on each rank that computes one: a pipeline's last
     stage); each gradient is placed like its parameter (equal on each rank holding it; a
     part of a flat shard's, in the flat gradient's shards as the part is in the parameter's)."""
@@ -483,6 +493,9 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
             continue
         if p in flat_grads:
             out.append({"output": f"{p}.grad", "layout": [flat_layout(f"{local}.grad", *flat_grads[p])]})
+            continue
+        if p in grad_layouts:
+            out.append({"output": f"{p}.grad", "layout": grad_layouts[p]})
             continue
         derived = _grad_placement(ranks, local, mesh)
         if derived is not None:  # a DTensor gradient: placed as the program's autograd made it

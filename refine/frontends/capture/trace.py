@@ -14,11 +14,12 @@ and are traced with it. Gradient hooks on a parameter (`register_hook`,
 `register_post_accumulate_grad_hook`) belong to the parameter object, which the trace
 replaces by a fresh leaf: they are registered again on the leaf, so they are traced too.
 What cannot be followed is refused, never dropped: wrappers that communicate from hooks on
-the parameters' gradient accumulators (FSDP, fully_shard, replicate, a DDP inside the
-model), any hook on a parameter's gradient accumulator, and gradient hooks on buffers or
-data inputs (the trace gives them no gradient). A model that is itself a
-DistributedDataParallel is traced through refine.frontends.capture.ddp, which writes its
-reducer's averaging into the trace.
+the parameters' gradient accumulators (FSDP1, replicate, a DDP inside the model), any hook
+on a parameter's gradient accumulator, and gradient hooks on buffers or data inputs (the
+trace gives them no gradient). A model that is itself a DistributedDataParallel is traced
+through refine.frontends.capture.ddp, which writes its reducer's averaging into the trace; a
+model with FSDP2 `fully_shard` modules through refine.frontends.capture.fsdp, which writes
+their all-gathers and reduce-scatters into it.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from refine.frontends.capture.aten import DECOMPOSITIONS
 from refine.frontends.capture.ddp import DDPSync
 from refine.frontends.capture.errors import CaptureError
+from refine.frontends.capture.fsdp import FSDPSync
 
 _TORCH = str(Path(torch.__file__).resolve().parent)
 _REFINE = str(Path(__file__).resolve().parents[2])  # refine/: its frames are not the user's
@@ -75,8 +77,9 @@ class Traced:
     annotations: dict[str, Any]  # graph input name -> refine.frontends.capture.annotate.Annotation
     grad_annotations: dict[str, Any] = field(default_factory=dict)  # parameter -> its gradient's (DTensor) placement
     has_loss: bool = True  # False: the step returned None (the outputs are the gradients only)
-    # the step ran under DistributedDataParallel: its loss is its own batch shard's, and DDP's
-    # gradient averaging makes the ranks' mean the objective (refine.frontends.capture.ddp)
+    # the step ran under DistributedDataParallel or FSDP2: its loss is its own batch shard's,
+    # and the gradient reduction makes the ranks' mean (or sum) the objective
+    # (refine.frontends.capture.ddp, refine.frontends.capture.fsdp)
     ddp: bool = False
     # parameters whose value the step returns last, in order (the step may update them in
     # place: an optimizer step); refine.frontends.capture.convert keeps those it changed
@@ -255,7 +258,9 @@ def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
     ddp = DDPSync.of(model, where)  # torch's DistributedDataParallel: the module it wraps is traced
     if ddp is not None:
         model = ddp.module
-    params = dict(model.named_parameters())
+    # torch's FSDP2 (fully_shard): its parameters are traced as their padded shards
+    fsdp = FSDPSync.of(model, where) if ddp is None else None
+    params = dict(model.named_parameters()) | (fsdp.inputs() if fsdp is not None else {})
     buffers = dict(model.named_buffers())
     inputs = dict(step.inputs)
     for name, v in inputs.items():
@@ -263,7 +268,9 @@ def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
             raise CaptureError(f"{where}: input {name!r} is a {type(v).__name__}, not a tensor")
         if name in params or name in buffers:
             raise CaptureError(f"{where}: input {name!r} has the name of a parameter or buffer of the model")
-    refuse_untraceable_hooks(model, buffers, inputs, where, ddp.managed() if ddp is not None else set())
+    refuse_untraceable_hooks(model, buffers, inputs, where,
+                             ddp.managed() if ddp is not None else fsdp.managed() if fsdp is not None else set(),
+                             fsdp is not None)
     grads: list[str] = []
     no_grad: list[str] = []
     finals: list[str] = []
@@ -279,9 +286,12 @@ def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
             copy_grad_hooks(params[n], leaf)
         if ddp is not None:
             ddp.hook(leaves)
+        if fsdp is not None:
+            for n in fsdp.managed():
+                fsdp.leaf(n, leaves[n])
         state = leaves | {n: local.rebuild(n, v) for n, v in zip(buffers, b_vals, strict=True)}
-        with _reparametrize_module(model, state, tie_weights=True), \
-                ddp.forwarding() if ddp is not None else nullcontext(), reading:
+        sync = ddp.forwarding() if ddp is not None else fsdp.forwarding() if fsdp is not None else nullcontext()
+        with _reparametrize_module(model, state, tie_weights=True), sync, reading:
             loss = step.step(step.model, **{n: local.rebuild(n, v) for n, v in zip(inputs, x_vals, strict=True)})
         if loss is None and where != "the sequential step":
             out = []  # a pipeline stage without the loss
@@ -318,7 +328,7 @@ def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
     names = [*params, *buffers, *inputs]
     annotations = {n: a for n, v in zip(names, values, strict=True) if (a := annotation_of(v)) is not None}
     return Traced(gm, list(zip(names, roles, values, strict=True)), grads, no_grad, annotations,
-                  local.grad_annotations, has_loss[-1], ddp is not None, finals,
+                  local.grad_annotations, has_loss[-1], ddp is not None or fsdp is not None, finals,
                   reads=list(reads.made) if reads is not None else [])
 
 
@@ -370,14 +380,18 @@ _SYNC_ADVICE = ("capture traces fresh parameters, where that communication would
 
 
 def refuse_untraceable_hooks(model: nn.Module, buffers: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor],
-                             where: str, managed: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+                             where: str, managed: set[str] = frozenset(),  # type: ignore[assignment]
+                             fully_shard: bool = False) -> None:
     """Refuse what the trace would silently drop: data-parallel wrappers, hooks held on a
     parameter's gradient accumulator (but on the `managed` parameters, whose reducer hooks
     refine.frontends.capture.ddp writes into the trace), gradient hooks on tensors that get
-    no gradient."""
+    no gradient. `fully_shard`: the model's fully_shard modules are traced through
+    refine.frontends.capture.fsdp, which writes their communication into the trace."""
     for path, m in model.named_modules():
         at = f"module {path!r}" if path else "the model"
         for mod_name, cls_name, does in _WRAPPERS:
+            if fully_shard and cls_name == "FSDPModule":
+                continue
             cls = getattr(sys.modules.get(mod_name), cls_name, None)
             if isinstance(cls, type) and isinstance(m, cls):
                 raise CaptureError(f"{where}: {at} is a {mod_name}.{cls_name} ({type(m).__name__}): {does}; "
@@ -385,7 +399,7 @@ def refuse_untraceable_hooks(model: nn.Module, buffers: dict[str, torch.Tensor],
         contract = sys.modules.get("torch.distributed._composable.contract")
         registry = contract._get_registry(m) if contract is not None else None  # type: ignore[attr-defined]
         for api in registry or {}:
-            if api in ("replicate", "fully_shard"):
+            if api == "replicate" or (api == "fully_shard" and not fully_shard):
                 raise CaptureError(f"{where}: {at} is wrapped by torch.distributed's composable {api}(), which "
                                    f"communicates from hooks on the parameters; " + _SYNC_ADVICE)
     for name, p in model.named_parameters():
