@@ -36,6 +36,10 @@ _LOOKUP = ["(= e (masked_fill_t v m 0.0))", "(= v (view gg sh))", "(= gg (gather
            _MASK, "(= sh (shape t))", "(= sx (shape x))", "(= g (- (vec-length sx) 1))",
            "(= (vec-length si) (vec-length sx))", "(= (vec-get si g) 1)", "(= (vec-pop si) (vec-pop sx))",
            "(= hi (+ lo (to-f64 (vec-get sx g))))", "(= lo (to-f64 (to-i64 lo)))"]
+# DTensor's form (torch's loss_parallel, `_MaskPartial`): the gather's result keeps the index's
+# trailing 1 and is masked with the mask viewed the same way (`mask.unsqueeze(-1)`)
+_LOOKUP_KEPT = ["(= e (masked_fill_t gg mv 0.0))", "(= mv (view m si))", "(= gg (gather x iv g))",
+                "(= iv (view q si))", *_LOOKUP[4:]]
 
 
 NEG = "(bigrat (bigint -1) (bigint 1))"
@@ -89,6 +93,20 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("masked-lookup-shifted", [*_LOOKUP, "(= q (masked_fill_t l m 0.0))", "(= l (Sum (multiset-of t f)))",
                                        "(= f (full nlo sh))", "(= nlo (neg lo))", "(> lo 0.0)"],
              ["(union e (view (GatherOff x (view t si) g (to-i64 lo)) sh))"], symbolic=False),
+        rule("masked-lookup-kept-first", [*_LOOKUP_KEPT, "(= q (masked_fill_t t m 0.0))", "(= lo 0.0)"],
+             ["(union e (GatherOff x (view t si) g 0))"], symbolic=False),
+        rule("masked-lookup-kept-shifted", [*_LOOKUP_KEPT, "(= q (masked_fill_t l m 0.0))",
+                                            "(= l (Sum (multiset-of t f)))", "(= f (full nlo sh))",
+                                            "(= nlo (neg lo))", "(> lo 0.0)"],
+             ["(union e (GatherOff x (view t si) g (to-i64 lo)))"], symbolic=False),
+        # the lookup along the last dim of a view that keeps it (Megatron's `logits_2d`, the
+        # rows of [s, b, v] flattened) is the lookup on the viewed tensor, with the index
+        # viewed to its rows alike (row-major: the same flattening)
+        rule("gather-off-view-rows", ["(= e (GatherOff (view x sx) (view t si) g lo))", "(= g (- (vec-length sx) 1))",
+                                      "(= s0 (shape x))", "(= g0 (- (vec-length s0) 1))",
+                                      "(= (vec-get sx g) (vec-get s0 g0))", "(= (vec-length si) (vec-length sx))",
+                                      "(= (vec-get si g) (dim 1))", "(= (vec-pop si) (vec-pop sx))"],
+             ["(union e (view (GatherOff x (view t (vec-set s0 g0 (dim 1))) g0 lo) si))"]),
     ]
 
 
@@ -126,6 +144,9 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             # on 3-d logits
             g3 = Term("gather", (gen.leaf((a, b, n)), view(q, (a, b, 1))), (2,))
             out.append(Term("Sum", (Term("masked_fill_t", (view(g3, sh), m), (0.0,)), gen.leaf(sh))))
+            # DTensor's form: the result [.., 1] masked with the mask viewed alike
+            out.append(Term("Sum", (Term("masked_fill_t", (g, view(m, (a * b, 1))), (0.0,)), gen.leaf((a * b, 1)))))
+            out.append(Term("Sum", (Term("masked_fill_t", (g3, view(m, (a, b, 1))), (0.0,)), gen.leaf((a, b, 1)))))
             # the backward's update at the local target
             nn = (a * b,)
             x2 = gen.leaf((a * b, n))
@@ -135,6 +156,12 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             keep = Term("Sum", (full(1.0, nn), Term("Scale", (Term("cast_float_t", (view(m, nn),)),), (Fraction(-1),))))
             vals = Term("Sum", (view(Term("gather", (x2, iv), (1,)), nn), Term("Scale", (keep,), (Fraction(-1),))))
             out.append(Term("where_t", (hit, Term("expand", (view(vals, (a * b, 1)),), ((a * b, n),)), x2)))
+        # a lookup on the rows of a view keeping the last dim (lo 0 or 2, targets in and out)
+        rows = gen.leaf((a, b, 3))
+        out.append(Term("GatherOff", (view(rows, (a * b, 3)), view(gen.leaf((b, a), "i", 6), (a * b, 1))),
+                        (1, r.choice([0, 2]))))
+        out.append(Term("GatherOff", (view(rows, (b, a, 3)), view(gen.leaf((a * b,), "i", 6), (b, a, 1))),
+                        (2, r.choice([0, 2]))))
         # windows of one-hots, sliced
         i = gen.leaf((3, 1), "i", 8)
         out += [Term("slice", (Term("onehot_window", (i,), (2, 4)),), (1, 1, 3)),
