@@ -41,6 +41,16 @@ _LOOKUP = ["(= e (masked_fill_t v m 0.0))", "(= v (view gg sh))", "(= gg (gather
 _LOOKUP_KEPT = ["(= e (masked_fill_t gg mv 0.0))", "(= mv (view m si))", "(= gg (gather x iv g))",
                 "(= iv (view q si))", *_LOOKUP[4:]]
 
+# the same lookup as capture translates Megatron's `logits_2d[arange_1d, masked_target_1d]`:
+# x's elements as a table of one column, looked up at the flat index `arange * n + masked`
+# (row k's element masked[k] when 0 <= masked[k] < n, which the mask guarantees)
+_LOOKUP_FLAT = ["(= e (masked_fill_t v m 0.0))", "(= v (view emb sh))", "(= emb (embedding tab fi))",
+                "(= tab (view x st))", "(= (vec-length st) 2)", "(= (vec-get st 1) 1)",
+                "(= fi (Sum (multiset-of rows qf)))", "(= rows (Scale (arange_c 0 nr 1) r))", "(= qf (view q sf))",
+                "(= (vec-length sf) 1)", _MASK, "(= sh (shape t))", "(= sx (shape x))", "(= g (- (vec-length sx) 1))",
+                "(= (vec-pop sx) sh)", "(= r (bigrat (bigint (vec-get sx g)) (bigint 1)))",
+                "(= hi (+ lo (to-f64 (vec-get sx g))))", "(= lo (to-f64 (to-i64 lo)))"]
+
 
 NEG = "(bigrat (bigint -1) (bigint 1))"
 # the backward's update of the softmax at each row's local target (Megatron writes
@@ -99,6 +109,12 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
                                             "(= l (Sum (multiset-of t f)))", "(= f (full nlo sh))",
                                             "(= nlo (neg lo))", "(> lo 0.0)"],
              ["(union e (GatherOff x (view t si) g (to-i64 lo)))"], symbolic=False),
+        rule("masked-lookup-flat-first", [*_LOOKUP_FLAT, "(= q (masked_fill_t t m 0.0))", "(= lo 0.0)"],
+             ["(union e (view (GatherOff x (view t (vec-push sh 1)) g 0) sh))"], symbolic=False),
+        rule("masked-lookup-flat-shifted", [*_LOOKUP_FLAT, "(= q (masked_fill_t l m 0.0))",
+                                            "(= l (Sum (multiset-of t f)))", "(= f (full nlo sh))",
+                                            "(= nlo (neg lo))", "(> lo 0.0)"],
+             ["(union e (view (GatherOff x (view t (vec-push sh 1)) g (to-i64 lo)) sh))"], symbolic=False),
         # the lookup along the last dim of a view that keeps it (Megatron's `logits_2d`, the
         # rows of [s, b, v] flattened) is the lookup on the viewed tensor, with the index
         # viewed to its rows alike (row-major: the same flattening)
@@ -144,6 +160,11 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             # on 3-d logits
             g3 = Term("gather", (gen.leaf((a, b, n)), view(q, (a, b, 1))), (2,))
             out.append(Term("Sum", (Term("masked_fill_t", (view(g3, sh), m), (0.0,)), gen.leaf(sh))))
+            # as capture translates `rows[arange, masked]`: a one-column table at a flat index
+            x3 = gen.leaf((a, b, n))
+            flat = Term("Sum", (Term("Scale", (Term("arange_c", (), (0, a * b, 1)),), (Fraction(n),)), view(q, (a * b,))))
+            emb = Term("embedding", (view(x3, (a * b * n, 1)), flat))
+            out.append(Term("Sum", (Term("masked_fill_t", (view(emb, sh), m), (0.0,)), gen.leaf(sh))))
             # DTensor's form: the result [.., 1] masked with the mask viewed alike
             out.append(Term("Sum", (Term("masked_fill_t", (g, view(m, (a * b, 1))), (0.0,)), gen.leaf((a * b, 1)))))
             out.append(Term("Sum", (Term("masked_fill_t", (g3, view(m, (a, b, 1))), (0.0,)), gen.leaf((a, b, 1)))))
