@@ -26,13 +26,15 @@ viewed), with d' (g') the dim d (g) swapped by i and j (i -> j, j -> i, any othe
 shape s with entries i and j swapped. The transposed-in direction (`transpose-sum`,
 `transpose-scale` in rules/structure.py, `transpose-expand` in rules/repeat.py) exists; these
 are the directions a proof needs when the sequential program computes on the transpose.
-Rules are templates over the unary and elementwise ops of the registry (as the concat rules
+The rules are used in cases without an all-to-all exchange (`Rule.needs`, refine/check.py's
+`case_features`). Rules are templates over the unary and elementwise ops of the registry (as the concat rules
 of rules/elementwise.py), so an op added later moves through a transpose too.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
+from dataclasses import replace
 from typing import Any
 
 from refine.ir.term import Term
@@ -86,7 +88,9 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
                            f"(transpose (gather x (transpose t i j) {g2}) i j)", f"(= g {name})", "(!= i j)"))
     out.append(rewrite("gather-out-of-transpose-other", "(gather (transpose x i j) t g)",
                        "(transpose (gather x (transpose t i j) g) i j)", "(!= g i)", "(!= g j)"))
-    return out
+    # left out of cases with an all-to-all exchange (Ulysses' head/sequence swaps transpose
+    # every activation: there these rules grew the e-graphs from seconds to minutes)
+    return [replace(r, needs="no_exchange") for r in out]
 
 
 def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
