@@ -33,8 +33,8 @@ of rules/elementwise.py), so an op added later moves through a transpose too.
 
 from __future__ import annotations
 
-from fractions import Fraction
 from dataclasses import replace
+from fractions import Fraction
 from typing import Any
 
 from refine.ir.term import Term
