@@ -145,6 +145,15 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("slice-into-gather", "(slice (gather x i g) d s e)", "(gather (slice x d s e) (slice i d s e) g)",
                 "(!= d g)"),
         rewrite("slice-gather-dim", "(slice (gather x i g) g s e)", "(gather x (slice i g s e) g)"),
+        # a gather is linear in its table (a loss's lookup of log-probs written as a sum of
+        # terms); from a broadcast whose gathered dim is 1 it picks the one value there is
+        rule("gather-sum", ["(= e (gather (Sum ms) i g))"],
+             ["(union e (Sum (unstable-multiset-map (unstable-fn \"GatherBy\" i g) ms)))"]),
+        rewrite("gather-by", "(GatherBy i g x)", "(gather x i g)"),
+        rewrite("gather-scale", "(gather (Scale x r) i g)", "(Scale (gather x i g) r)"),
+        rule("gather-broadcast", ["(= e (gather (expand y s) i g))", "(= si (shape i))",
+                                  "(= (shape y) (vec-set si g (dim 1)))"],
+             ["(union e (expand y si))"]),
         # scatter of a value: the same, positions past the index's extent are left as they are
         rule("scatter-cat-self", ["(= c (cat a b d))", "(= e (scatter_value c i g v))", "(!= d g)",
                                   "(= (size i d) (size c d))", "(= k (size a d))", "(= n (size i d))"],
@@ -179,7 +188,8 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
     ]
 
 
-HELPERS = [Helper("IndexPutBy", ("T", "IV", "T"), lambda op, i, sh, v: op("index_put_acc")(i, v, shape=tuple(sh)))]
+HELPERS = [Helper("IndexPutBy", ("T", "IV", "T"), lambda op, i, sh, v: op("index_put_acc")(i, v, shape=tuple(sh))),
+           Helper("GatherBy", ("T", "i64", "T"), lambda op, i, g, x: op("gather")(x, i, dim=g))]
 
 
 # The soundness harness's seeds: indices in range, sometimes smaller than x on another dim
@@ -206,7 +216,7 @@ SAMPLES = {"gather": _gather_like("gather"), "scatter_value": _gather_like("scat
 
 def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
     """Inputs and indices lined up: x and the index with the same extent on the concat's
-    dim, gathered and scattered along the other; accumulations of values cut along their
+    dim, gathered and scattered along the other; lookups into a broadcast; accumulations of values cut along their
     trailing dim; slices of them; the helper constructor applied directly."""
     r = gen.rng
     out: list[Term] = []
@@ -221,4 +231,11 @@ def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
         out.append(Term("index_put_acc", (i1, vals), ((rows, 3),)))
         out.append(Term("slice", (Term("index_put_acc", (i1, gen.leaf((3, 3))), ((rows, 3),)),), (1, 1, 3)))
         out.append(Term("IndexPutBy", (i1, gen.leaf((3, 2))), ((rows, 2),)))
+        # lookups into a broadcast of a value kept along the gathered dim (k lookups per row)
+        k = r.choice([1, 2])
+        y = gen.leaf((3, 1))
+        out.append(Term("gather", (Term("expand", (y,), ((3, 4),)), gen.leaf((3, k), "i", 4)), (1,)))
+        y3 = gen.leaf((2, 1, 3))
+        out.append(Term("gather", (Term("expand", (y3,), ((2, 5, 3),)), gen.leaf((2, k, 3), "i", 5)), (1,)))
+        out.append(Term("GatherBy", (gen.leaf((3, k), "i", 2), gen.leaf((3, 2))), (1,)))
     return out

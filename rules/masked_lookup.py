@@ -36,6 +36,20 @@ _LOOKUP = ["(= e (masked_fill_t v m 0.0))", "(= v (view gg sh))", "(= gg (gather
            _MASK, "(= sh (shape t))", "(= sx (shape x))", "(= g (- (vec-length sx) 1))",
            "(= (vec-length si) (vec-length sx))", "(= (vec-get si g) 1)", "(= (vec-pop si) (vec-pop sx))",
            "(= hi (+ lo (to-f64 (vec-get sx g))))", "(= lo (to-f64 (to-i64 lo)))"]
+# DTensor's form (torch's loss_parallel, `_MaskPartial`): the gather's result keeps the index's
+# trailing 1 and is masked with the mask viewed the same way (`mask.unsqueeze(-1)`)
+_LOOKUP_KEPT = ["(= e (masked_fill_t gg mv 0.0))", "(= mv (view m si))", "(= gg (gather x iv g))",
+                "(= iv (view q si))", *_LOOKUP[4:]]
+
+# the same lookup as capture translates Megatron's `logits_2d[arange_1d, masked_target_1d]`:
+# x's elements as a table of one column, looked up at the flat index `arange * n + masked`
+# (row k's element masked[k] when 0 <= masked[k] < n, which the mask guarantees)
+_LOOKUP_FLAT = ["(= e (masked_fill_t v m 0.0))", "(= v (view emb sh))", "(= emb (embedding tab fi))",
+                "(= tab (view x st))", "(= (vec-length st) 2)", "(= (vec-get st 1) 1)",
+                "(= fi (Sum (multiset-of rows qf)))", "(= rows (Scale (arange_c 0 nr 1) r))", "(= qf (view q sf))",
+                "(= (vec-length sf) 1)", _MASK, "(= sh (shape t))", "(= sx (shape x))", "(= g (- (vec-length sx) 1))",
+                "(= (vec-pop sx) sh)", "(= r (bigrat (bigint (vec-get sx g)) (bigint 1)))",
+                "(= hi (+ lo (to-f64 (vec-get sx g))))", "(= lo (to-f64 (to-i64 lo)))"]
 
 
 NEG = "(bigrat (bigint -1) (bigint 1))"
@@ -89,6 +103,26 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("masked-lookup-shifted", [*_LOOKUP, "(= q (masked_fill_t l m 0.0))", "(= l (Sum (multiset-of t f)))",
                                        "(= f (full nlo sh))", "(= nlo (neg lo))", "(> lo 0.0)"],
              ["(union e (view (GatherOff x (view t si) g (to-i64 lo)) sh))"], symbolic=False),
+        rule("masked-lookup-kept-first", [*_LOOKUP_KEPT, "(= q (masked_fill_t t m 0.0))", "(= lo 0.0)"],
+             ["(union e (GatherOff x (view t si) g 0))"], symbolic=False),
+        rule("masked-lookup-kept-shifted", [*_LOOKUP_KEPT, "(= q (masked_fill_t l m 0.0))",
+                                            "(= l (Sum (multiset-of t f)))", "(= f (full nlo sh))",
+                                            "(= nlo (neg lo))", "(> lo 0.0)"],
+             ["(union e (GatherOff x (view t si) g (to-i64 lo)))"], symbolic=False),
+        rule("masked-lookup-flat-first", [*_LOOKUP_FLAT, "(= q (masked_fill_t t m 0.0))", "(= lo 0.0)"],
+             ["(union e (view (GatherOff x (view t (vec-push sh 1)) g 0) sh))"], symbolic=False),
+        rule("masked-lookup-flat-shifted", [*_LOOKUP_FLAT, "(= q (masked_fill_t l m 0.0))",
+                                            "(= l (Sum (multiset-of t f)))", "(= f (full nlo sh))",
+                                            "(= nlo (neg lo))", "(> lo 0.0)"],
+             ["(union e (view (GatherOff x (view t (vec-push sh 1)) g (to-i64 lo)) sh))"], symbolic=False),
+        # the lookup along the last dim of a view that keeps it (Megatron's `logits_2d`, the
+        # rows of [s, b, v] flattened) is the lookup on the viewed tensor, with the index
+        # viewed to its rows alike (row-major: the same flattening)
+        rule("gather-off-view-rows", ["(= e (GatherOff (view x sx) (view t si) g lo))", "(= g (- (vec-length sx) 1))",
+                                      "(= s0 (shape x))", "(= g0 (- (vec-length s0) 1))",
+                                      "(= (vec-get sx g) (vec-get s0 g0))", "(= (vec-length si) (vec-length sx))",
+                                      "(= (vec-get si g) (dim 1))", "(= (vec-pop si) (vec-pop sx))"],
+             ["(union e (view (GatherOff x (view t (vec-set s0 g0 (dim 1))) g0 lo) si))"]),
     ]
 
 
@@ -126,6 +160,14 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             # on 3-d logits
             g3 = Term("gather", (gen.leaf((a, b, n)), view(q, (a, b, 1))), (2,))
             out.append(Term("Sum", (Term("masked_fill_t", (view(g3, sh), m), (0.0,)), gen.leaf(sh))))
+            # as capture translates `rows[arange, masked]`: a one-column table at a flat index
+            x3 = gen.leaf((a, b, n))
+            flat = Term("Sum", (Term("Scale", (Term("arange_c", (), (0, a * b, 1)),), (Fraction(n),)), view(q, (a * b,))))
+            emb = Term("embedding", (view(x3, (a * b * n, 1)), flat))
+            out.append(Term("Sum", (Term("masked_fill_t", (view(emb, sh), m), (0.0,)), gen.leaf(sh))))
+            # DTensor's form: the result [.., 1] masked with the mask viewed alike
+            out.append(Term("Sum", (Term("masked_fill_t", (g, view(m, (a * b, 1))), (0.0,)), gen.leaf((a * b, 1)))))
+            out.append(Term("Sum", (Term("masked_fill_t", (g3, view(m, (a, b, 1))), (0.0,)), gen.leaf((a, b, 1)))))
             # the backward's update at the local target
             nn = (a * b,)
             x2 = gen.leaf((a * b, n))
@@ -135,6 +177,12 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             keep = Term("Sum", (full(1.0, nn), Term("Scale", (Term("cast_float_t", (view(m, nn),)),), (Fraction(-1),))))
             vals = Term("Sum", (view(Term("gather", (x2, iv), (1,)), nn), Term("Scale", (keep,), (Fraction(-1),))))
             out.append(Term("where_t", (hit, Term("expand", (view(vals, (a * b, 1)),), ((a * b, n),)), x2)))
+        # a lookup on the rows of a view keeping the last dim (lo 0 or 2, targets in and out)
+        rows = gen.leaf((a, b, 3))
+        out.append(Term("GatherOff", (view(rows, (a * b, 3)), view(gen.leaf((b, a), "i", 6), (a * b, 1))),
+                        (1, r.choice([0, 2]))))
+        out.append(Term("GatherOff", (view(rows, (b, a, 3)), view(gen.leaf((a * b,), "i", 6), (b, a, 1))),
+                        (2, r.choice([0, 2]))))
         # windows of one-hots, sliced
         i = gen.leaf((3, 1), "i", 8)
         out += [Term("slice", (Term("onehot_window", (i,), (2, 4)),), (1, 1, 3)),

@@ -38,9 +38,10 @@ Left out of PROGRAM:
 
 - loss parallel (torchtitan's `_LossParallelCrossEntropy` on the vocab-sharded logits,
   `make_case(config, loss_parallel=True)`): it captures (its backward's
-  `grad_input[row_idx, local_labels] = grad_update` writes distinct positions), but the check
-  is UNPROVEN: the sequential cross-entropy's target lookup (a gather) finds no clean
-  relation to the ranks' lookups of their vocabulary shard's target logits.
+  `grad_input[row_idx, local_labels] = grad_update` writes distinct positions) and its
+  forward relates (the target lookup: rules/masked_lookup.py, DTensor's form), but the check
+  is UNPROVEN in the backward: nll_loss_backward's one-hot (loss.py's scatter) has no rank
+  counterpart, the ranks holding only (their window of it + exp(log-probs)) * weight.
 
 Bugs (`make_case(config, bug)`): see PROGRAM.
 """

@@ -411,9 +411,22 @@ def test_megatron_gpt_with_its_own_cross_entropy_captures_and_agrees() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="UNPROVEN: the sequential log-softmax over the logits GPTModel hands back "
-                                       "transposed ([b, s, v]) finds no clean relation to the ranks' vocab-parallel "
-                                       "max/exp/sum over their [s, b, v/tp] pieces (no rule moves a reduction or an "
-                                       "elementwise op through a transpose)")
+def test_megatron_gpt_transposed_log_softmax_relates() -> None:
+    """The log-softmax over the logits GPTModel hands back transposed ([b, s, v]) relates to the
+    ranks' vocab-parallel max, exp and sum over their [s, b, v/tp] pieces (rules/layout_through.py:
+    the ops move out of the transpose); the proof now stops at the target lookup."""
+    report = capture(_gpt_case()).check()
+    assert report.culprit is not None and report.culprit.node == "gather", report
+    assert report.culprit.source == helpers.line_of(Path(__file__), "losses = -F.log_softmax(logits, dim=-1)")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="UNPROVEN at the target lookup: capture translates Megatron's "
+                                       "`logits_2d[arange_1d, masked_target_1d]` as a lookup at the flat index "
+                                       "arange * n + masked; rules/masked_lookup.py relates it (masked-lookup-flat-*) "
+                                       "but the gather's step does not reach it (4 ops from the rank's target, "
+                                       "Policy.side_depth 3); backward, the sequential gradient at the log-probs "
+                                       "(nll's one-hot times the token weight) has no rank counterpart: Megatron "
+                                       "computes (softmax - one_hot) * grad in one go")
 def test_megatron_gpt_with_its_own_cross_entropy_refines() -> None:
     assert capture(_gpt_case()).check().refines

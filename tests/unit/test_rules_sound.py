@@ -86,8 +86,9 @@ def test_symbolic_rules_are_sound_and_fire(symbolic_results: dict[str, RuleResul
     concrete_only = [r for r in REG.rules if not r.symbolic]
     assert all(any(w in r.text for w in ("to-f64", "bigint")) for r in concrete_only), concrete_only
     # the vocab-offset rules of embedding.py, embedding_grad.py, loss.py and masked_lookup.py
-    # (bounds read from f64 constants); a new one must be added here knowingly
-    assert len(concrete_only) <= 15, [r.name for r in concrete_only]
+    # (bounds read from f64 constants; masked_lookup.py's DTensor and flat-index forms of the
+    # lookup added 4); a new one must be added here knowingly
+    assert len(concrete_only) <= 19, [r.name for r in concrete_only]
     unsound = {n: r.failures[:3] for n, r in symbolic_results.items() if r.failures}
     assert not unsound, unsound
     silent = sorted(n for n, r in symbolic_results.items() if not r.fired)
