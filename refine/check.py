@@ -79,10 +79,9 @@ def engine_for(registry: Registry, symbolic: bool = False, features: frozenset[s
 
 def case_features(dist: Dist) -> frozenset[str]:
     """What the case needs rules for beyond the common ones (Rule.needs): layouts stated by
-    defines; an all_to_all exchange on some rank, or none (rules/layout_through.py)."""
+    defines; an all_to_all exchange on some rank."""
     exchange = any(n.op == "all_to_all" for g in dist.ranks.values() for n in g.nodes)
-    return (frozenset({"defines"} if dist.defines else set())
-            | frozenset({"exchange"} if exchange else {"no_exchange"}))
+    return frozenset({"defines"} if dist.defines else set()) | frozenset({"exchange"} if exchange else set())
 
 
 def is_symbolic(seq: Graph, dist: Dist) -> bool:
