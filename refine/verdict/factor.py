@@ -27,7 +27,7 @@ edit turns into a scale by exactly 1 first (a division the program should not do
 AVG reduction could always absorb the same factor), then by distance in ops from the failing
 outputs. A line with a node the relations prove equal to a sequential tensor is never
 blamed: its value is right. At most `MAX_TRIES` edits, each one evaluation of the rank
-programs; deterministic (seed 0). When no single line's edit repairs every output, the
+programs, and a repair must hold on a second draw (seed 1) as well; deterministic. When no single line's edit repairs every output, the
 culprit stays as localization found it.
 """
 
@@ -266,7 +266,8 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             vals = eval_ranks(graphs, registry, rank_in)
         except (EvalError, RuntimeError, ValueError):
             continue
-        if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry):
+        if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry) \
+                and _repairs_again(seq, dist, graphs, registry, seed + 1):
             node = dist.ranks[r].index()[name]
             assert isinstance(node, Node)
             if node.op in REDUCTIONS:
@@ -279,6 +280,18 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
                                sorted(failing))
     return None
+
+
+def _repairs_again(seq: Graph, dist: Dist, graphs: Mapping[int, Graph], registry: Registry, seed: int) -> bool:
+    """The edit repairs every output on a second, independent draw too. `c` is read off one
+    draw, and with a single scalar output any two values are in a constant ratio: an edit
+    that merely rescales the one loss value there is a coincidence, not a wrong constant."""
+    try:
+        seq_in, rank_in = random_inputs(seq, dist, seed, registry)
+        return _outputs_ok(eval_graph(seq, registry, seq_in), seq, dist,
+                           _rank_outputs(graphs, eval_ranks(graphs, registry, rank_in)), registry)
+    except (EvalError, RuntimeError, ValueError, KeyError):
+        return False
 
 
 def distances(dist: Dist, roots: Mapping[int, list[str]]) -> dict[tuple[int, str], int]:

@@ -156,8 +156,10 @@ def compile_rank(rank: int, graph: fx.Graph, root: torch.nn.Module, cutoff: int,
     """The steps of a rank's graph. Run inside the rank's process group, which the p2p ops name."""
     nodes = list(graph.nodes)
     steps: list[Callable[[Runner], bool]] = []
+    # a step capture cannot run is refused at the user's line that reads the scalar
+    at = next((f"{where}, at {r.source}" for r in reads if r.source), where)
     for n in nodes:
-        steps.append(_step(rank, n, root, where))
+        steps.append(_step(rank, n, root, at))
     pos = {n: i for i, n in enumerate(nodes)}
     return Program(rank, steps, cutoff, [r for r in reads if r.node in pos], where)
 
@@ -280,8 +282,9 @@ def _taint_written(run: Runner, rank: int, target: Any, args: Any, kwargs: dict[
 
 def _refusing(rank: int, n: fx.Node, where: str, what: str) -> Callable[[Runner], bool]:
     def refuse(run: Runner) -> bool:
-        raise CaptureError(f"{where}: a scalar read (t.item(), int(t), bool(t)) needs the trace run up to it, "
-                           f"and it runs {what}, which capture cannot run concretely")
+        raise CaptureError(f"{where}: a scalar read (t.item(), int(t), bool(t)), data-dependent control flow or "
+                           f"sizes unless its value is the same for every input: telling needs the trace run up to "
+                           f"it, and it runs {what}, which capture cannot run concretely")
     return refuse
 
 
