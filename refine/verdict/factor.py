@@ -27,8 +27,8 @@ edit turns into a scale by exactly 1 first (a division the program should not do
 AVG reduction could always absorb the same factor), then by distance in ops from the failing
 outputs. A line with a node the relations prove equal to a sequential tensor is never
 blamed: its value is right. At most `MAX_TRIES` edits, each one evaluation of the rank
-programs, and a repair must hold on a second draw (seed 1) as well; deterministic. When no single line's edit repairs every output, the
-culprit stays as localization found it.
+programs; a repair must hold on a second draw (seed 1) as well; deterministic. When no single
+line's edit repairs every output, the culprit stays as localization found it.
 """
 
 from __future__ import annotations
@@ -141,11 +141,10 @@ def _edited(n: Node, c: Fraction) -> list[Node]:
     """The node(s) computing the node's value with its constant factor multiplied by c."""
     if n.op in REDUCTIONS:
         return [replace(n, attrs={**n.attrs, "reduce_op": "sum" if n.attrs.get("reduce_op") == "avg" else "avg"})]
-    if n.op == "mean" or _literal_factor(n) is None:  # a mean or a computed divisor: then times c
+    lit = None if n.op == "mean" else _literal_factor(n)
+    if lit is None:  # a mean or a computed divisor: the node, then times c, under the node's name
         inner = replace(n, name=f"{n.name}.unscaled")
         return [inner, Node(n.name, "mul", [inner.name, float(c)], {}, n.type, n.source, n.origin)]
-    lit = _literal_factor(n)
-    assert lit is not None
     f, i = lit
     if i < 0:
         return [replace(n, attrs={**n.attrs, "value": float(f * c)})]
@@ -253,6 +252,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         ranked.append((not removes, min(near), key, members))
     ranked.sort(key=lambda x: (x[0], x[1], x[2]))
     tries = 0
+    again = _SecondDraw(seq, dist, registry, seed + 1)
     for _, (_, r, name), (source, _), members in ranked:
         if tries == MAX_TRIES:
             break
@@ -267,7 +267,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         except (EvalError, RuntimeError, ValueError):
             continue
         if _outputs_ok(seq_vals, seq, dist, _rank_outputs(graphs, vals), registry) \
-                and _repairs_again(seq, dist, graphs, registry, seed + 1):
+                and again.repairs(graphs):
             node = dist.ranks[r].index()[name]
             assert isinstance(node, Node)
             if node.op in REDUCTIONS:
@@ -282,16 +282,26 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
     return None
 
 
-def _repairs_again(seq: Graph, dist: Dist, graphs: Mapping[int, Graph], registry: Registry, seed: int) -> bool:
-    """The edit repairs every output on a second, independent draw too. `c` is read off one
-    draw, and with a single scalar output any two values are in a constant ratio: an edit
-    that merely rescales the one loss value there is a coincidence, not a wrong constant."""
-    try:
-        seq_in, rank_in = random_inputs(seq, dist, seed, registry)
-        return _outputs_ok(eval_graph(seq, registry, seq_in), seq, dist,
-                           _rank_outputs(graphs, eval_ranks(graphs, registry, rank_in)), registry)
-    except (EvalError, RuntimeError, ValueError, KeyError):
-        return False
+class _SecondDraw:
+    """A second, independent draw an edit must repair too. `c` is read off one draw, and with
+    a single scalar output any two values are in a constant ratio: an edit that merely
+    rescales the one loss value there is a coincidence, not a wrong constant. The draw and its
+    sequential values are made once, when a first edit passes the first draw."""
+
+    def __init__(self, seq: Graph, dist: Dist, registry: Registry, seed: int) -> None:
+        self.seq, self.dist, self.registry, self.seed = seq, dist, registry, seed
+        self.drawn: tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]] | None = None
+
+    def repairs(self, graphs: Mapping[int, Graph]) -> bool:
+        try:
+            if self.drawn is None:
+                seq_in, rank_in = random_inputs(self.seq, self.dist, self.seed, self.registry)
+                self.drawn = eval_graph(self.seq, self.registry, seq_in), rank_in
+            seq_vals, rank_in = self.drawn
+            return _outputs_ok(seq_vals, self.seq, self.dist,
+                               _rank_outputs(graphs, eval_ranks(graphs, self.registry, rank_in)), self.registry)
+        except (EvalError, RuntimeError, ValueError, KeyError):
+            return False
 
 
 def distances(dist: Dist, roots: Mapping[int, list[str]]) -> dict[tuple[int, str], int]:
