@@ -271,9 +271,9 @@ def _trace_rank(spec: Spec, r: int, known: list[Any], registry: Registry
         try:
             tr = trace_step(step, where, scalars.Reads(known=list(known)))
         except scalars.Unresolved as u:  # p2p peers resolve in the rank's process group: compile here
-            return scalars.compile_rank(r, u.graph, u.root, u.read.cutoff, [u.read], where)
+            return scalars.compile_rank(r, u.graph, u.root, u.read.cutoff, [u.read], where, u.names)
         program = scalars.compile_rank(r, tr.gm.graph, tr.gm, max((x.cutoff for x in tr.reads), default=0),
-                                       tr.reads, where)
+                                       tr.reads, where, [n for n, _, _ in tr.inputs])
         cv = convert(tr, registry, where)
     names = {n for n, _, _ in tr.inputs}
     unknown = sorted(set(named) - names)

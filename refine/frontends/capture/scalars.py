@@ -49,6 +49,7 @@ class Unresolved(Exception):  # noqa: N818 - a control signal, not an error
     def __init__(self, read: Read, graph: fx.Graph, root: torch.nn.Module) -> None:
         super().__init__("unresolved scalar read")
         self.read, self.graph, self.root = read, graph, root
+        self.names: list[str] = []  # the step's inputs in placeholder order (set by trace_step)
 
 
 @dataclass
@@ -104,15 +105,21 @@ class Program:
     cutoff: int
     reads: list[Read]
     where: str
+    names: list[str] = field(default_factory=list)  # the step's inputs (parameters, buffers, inputs) in placeholder order
 
 
 class Runner:
-    """Runs several ranks' programs with real tensors, matching each pair's sends and recvs in order."""
+    """Runs several ranks' programs with real tensors, matching each pair's sends and recvs in
+    order, and each group's collectives in order (the k-th of a group on every member)."""
 
     def __init__(self) -> None:
         self.env: dict[tuple[int, fx.Node], Any] = {}
         self.tainted: set[tuple[int, fx.Node]] = set()
         self.channels: dict[tuple[int, int], deque[tuple[torch.Tensor, bool]]] = {}
+        # collectives: how many each rank posted per group, what each posted, which one a node is
+        self.posted: dict[tuple[tuple[int, ...], int], int] = {}
+        self.arrived: dict[tuple[tuple[int, ...], int], dict[int, tuple[torch.Tensor | None, list[int], bool]]] = {}
+        self.slot: dict[tuple[int, fx.Node], int] = {}
         # storages an input-dependent value was written into (through any view of them)
         self.dirty: set[tuple[int, int]] = set()
 
@@ -152,8 +159,9 @@ class Runner:
 
 
 def compile_rank(rank: int, graph: fx.Graph, root: torch.nn.Module, cutoff: int, reads: list[Read],
-                 where: str) -> Program:
-    """The steps of a rank's graph. Run inside the rank's process group, which the p2p ops name."""
+                 where: str, names: list[str] | None = None) -> Program:
+    """The steps of a rank's graph. Run inside the rank's process group, which the p2p ops name.
+    `names`: the step's inputs in placeholder order, to say what a data-dependent read depends on."""
     nodes = list(graph.nodes)
     steps: list[Callable[[Runner], bool]] = []
     # a step capture cannot run is refused at the user's line that reads the scalar
@@ -161,7 +169,7 @@ def compile_rank(rank: int, graph: fx.Graph, root: torch.nn.Module, cutoff: int,
     for n in nodes:
         steps.append(_step(rank, n, root, at))
     pos = {n: i for i, n in enumerate(nodes)}
-    return Program(rank, steps, cutoff, [r for r in reads if r.node in pos], where)
+    return Program(rank, steps, cutoff, [r for r in reads if r.node in pos], where, list(names or []))
 
 
 def _peer(rank_of_group: int, group: Any, root: torch.nn.Module) -> int:
@@ -228,6 +236,15 @@ def _step(rank: int, n: fx.Node, root: torch.nn.Module, where: str) -> Callable[
             run.env[key] = None
             return True
         return recv
+    if qual in aten.WAITS:
+        def wait(run: Runner) -> bool:
+            run.env[key] = run.value(rank, n_args[0])
+            if run.taint_of(rank, n_args):
+                run.tainted.add(key)
+            return True
+        return wait
+    if qual in _RUNNABLE:
+        return _collective(rank, n, root, qual, where)
     if qual.split("::")[0] != "aten":
         return _refusing(rank, n, where, qual)
     # random numbers, and uninitialized memory (a read of it before a write is no constant)
@@ -262,6 +279,88 @@ def _step(rank: int, n: fx.Node, root: torch.nn.Module, where: str) -> Callable[
     return call
 
 
+# collectives the runner runs: a value exchanged among the ranks is known when what every rank
+# sends is (a count the ranks agree on); it depends on the inputs when any rank's part does
+_RUNNABLE = {
+    "_c10d_functional::all_to_all_single", "_c10d_functional_autograd::all_to_all_single", "c10d::alltoall_base_",
+    "_c10d_functional::all_reduce", "c10d::allreduce_",
+    "_c10d_functional::all_gather_into_tensor", "c10d::_allgather_base_",
+}
+
+
+def _members(g: Any, root: torch.nn.Module) -> tuple[int, ...]:
+    """A collective's group as global ranks (resolved while the rank's process group is current)."""
+    if isinstance(g, fx.Node):  # legacy ops take the ProcessGroup as a script object
+        pg = dist.ProcessGroup.unbox(getattr(root, g.target))  # type: ignore[arg-type]
+    else:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        pg = _resolve_process_group(g)
+    return tuple(int(r) for r in dist.get_process_group_ranks(pg))
+
+
+def _collective(rank: int, n: fx.Node, root: torch.nn.Module, qual: str, where: str) -> Callable[[Runner], bool]:
+    """A collective run concretely: each member posts its part, the last to come completes it.
+    Legacy ones write their output buffer (or tensor list) in place, as recv does."""
+    a = aten.bind(n.target, n.args, dict(n.kwargs))
+    legacy = qual.startswith("c10d::")
+    group = _members(a["process_group"] if legacy else a["group_name"], root)
+    key = (rank, n)
+    if qual == "c10d::allreduce_":
+        (src,) = a["tensors"]
+        dst = src
+        code = getattr(root, a["reduce_op"].target)._get_method("op")()  # type: ignore[union-attr]
+        op = dist.ReduceOp.RedOpType(code).name.lower()
+    elif legacy:  # alltoall_base_, _allgather_base_: (output, input)
+        src, dst = a["input"] if "input" in a else a["input_tensor"], a["output"] if "output" in a else a["output_tensor"]
+        op = ""
+    else:
+        src, dst, op = a["input"], None, str(a.get("reduce_op", "")).lower()
+    if op not in ("", "sum", "avg", "max"):
+        return _refusing(rank, n, where, f"{qual} with reduce op {op}")
+    kind = aten.FUNCTIONAL_COLLECTIVES.get(qual) or aten.LEGACY_COLLECTIVES.get(qual) or aten.LEGACY_WRITING[qual]
+    splits = list(a.get("input_split_sizes") or [])  # uneven all_to_all: the sizes this rank sends
+
+    def result(parts: list[tuple[torch.Tensor, list[int]]]) -> torch.Tensor:
+        if kind == "all_reduce":
+            stacked = torch.stack([p for p, _ in parts])
+            return stacked.amax(0) if op == "max" else stacked.mean(0) if op == "avg" else stacked.sum(0)
+        if kind == "all_gather":
+            return torch.cat([p for p, _ in parts])
+        me = group.index(rank)  # all_to_all: chunk `me` of every member's part, in member order
+        return torch.cat([(p.split(s) if s else p.chunk(len(group)))[me] for p, s in parts])
+
+    def collective(run: Runner) -> bool:
+        if key not in run.slot:  # post this rank's part once; a retry only waits
+            k = run.posted.get((group, rank), 0)
+            run.posted[(group, rank)] = k + 1
+            run.slot[key] = k
+            x = run.value(rank, src)
+            run.arrived.setdefault((group, k), {})[rank] = (
+                None if x is None else x.clone(), splits, run.taint_of(rank, src) or x is None)
+        got = run.arrived[(group, run.slot[key])]
+        if len(got) < len(group):
+            return False
+        tainted = any(t for _, _, t in got.values())
+        value = None if tainted else result([(got[g][0], got[g][1]) for g in group])  # type: ignore[misc]
+        if dst is None:  # functional: a new tensor
+            run.env[key] = value
+            if tainted:
+                run.tainted.add(key)
+            return True
+        into = run.value(rank, dst)
+        if value is not None and into is not None:
+            into.copy_(value.reshape(into.shape))
+            run.clean(rank, dst, into)
+        else:
+            run.dirty_write(rank, dst)
+        run.env[key] = ([into], None) if qual == "c10d::allreduce_" else None if kind == "all_to_all" else (into, None)
+        if tainted:
+            run.tainted.add(key)
+        return True
+    return collective
+
+
 _OVERWRITING = {"aten::fill_", "aten::zero_", "aten::copy_"}  # in place, reading nothing of their first argument
 _SHAPE_ONLY = {"aten::full_like", "aten::zeros_like", "aten::ones_like"}  # read their first argument's shape only
 _UNINITIALIZED = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
@@ -286,6 +385,44 @@ def _refusing(rank: int, n: fx.Node, where: str, what: str) -> Callable[[Runner]
                            f"sizes unless its value is the same for every input: telling needs the trace run up to "
                            f"it, and it runs {what}, which capture cannot run concretely")
     return refuse
+
+
+def _writes_first(target: Any) -> bool:
+    q = target._schema.name
+    return q in aten.LEGACY_WRITING or q in aten.LEGACY_COLLECTIVES or q == "c10d::recv_"
+
+
+def _depends_on(run: Runner, p: Program, node: fx.Node) -> str:
+    """The step's inputs a read's value is computed from: its tainted ancestors in the rank's
+    graph (a buffer written in place, as by `dist.all_to_all_single(out, x)`, counts its writers
+    as ancestors), the data inputs first."""
+    graph = node.graph
+    writers: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if isinstance(n.target, torch._ops.OpOverload):
+            a = aten.bind(n.target, n.args, dict(n.kwargs))
+            for i, arg in enumerate(n.target._schema.arguments):
+                # c10d's in-place collectives and recv write their first argument, unannotated
+                if (arg.alias_info is not None and arg.alias_info.is_write) or (i == 0 and _writes_first(n.target)):
+                    v = a.get(arg.name)
+                    for w in v if isinstance(v, (list, tuple)) else [v]:
+                        if isinstance(w, fx.Node):
+                            writers.setdefault(w, []).append(n)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        if n in seen or not run.taint_of(p.rank, n):
+            continue
+        seen.add(n)
+        todo.extend(n.all_input_nodes)
+        todo.extend(writers.get(n, []))
+    if len(p.names) != len(placeholders):
+        return ""
+    found = [name for name, ph in zip(p.names, placeholders, strict=True) if ph in seen]
+    shown = sorted(found, key=lambda name: "." in name)  # inputs (x, target) before parameters (a.b.weight)
+    return ", ".join(shown[:6]) + (f" and {len(shown) - 6} more" if len(shown) > 6 else "")
 
 
 def evaluate(programs: list[Program]) -> dict[int, list[int | float | bool]]:
@@ -324,9 +461,15 @@ def evaluate(programs: list[Program]) -> dict[int, list[int | float | bool]]:
         for read in p.reads:
             key = (p.rank, read.node)
             if run.taint_of(p.rank, read.node):
+                on = _depends_on(run, p, read.node)
                 raise CaptureError(
-                    f"{by_rank[p.rank].where}: the step branches on (or reads) a tensor's value that depends on "
-                    "the step's inputs (parameters, data) or on random numbers, which a trace cannot follow: "
-                    "data-dependent control flow", read.source)
+                    f"{by_rank[p.rank].where}: the step reads a tensor's value (t.item(), int(t), t.tolist()) that "
+                    f"depends on the step's inputs{' (' + on + ')' if on else ''} or on random numbers, which a trace "
+                    "cannot follow: data-dependent control flow or sizes (a dropless MoE's all_to_all split sizes, "
+                    "counted from its routing, are such sizes). Tracing on with the captured value would give graphs "
+                    "right only for the inputs that give that value (one routing), no proof for every input, so "
+                    "capture refuses; refine's sizes are static or declared symbols. A routed MoE captures with a "
+                    "static capacity (tokens in groups, a fixed number of slots per expert: models/zoo/moe_gshard.py)",
+                    read.source)
             values[p.rank].append(run.env[key].item())
     return values

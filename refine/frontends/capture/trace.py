@@ -319,7 +319,10 @@ def trace_step(step: Step, where: str, reads: Any = None) -> Traced:
         with _recording_sources(), _marking_batches(), math_attention():
             gm = make_fx(_traced_step, decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
                          record_stack_traces=True, _allow_non_fake_inputs=True)(*args)
-    except (CaptureError, Unresolved):
+    except Unresolved as u:
+        u.names = [*params, *buffers, *inputs]  # the placeholders' names, for its messages
+        raise
+    except CaptureError:
         raise
     except Exception as e:
         raise CaptureError(f"{where}: cannot trace the step: {_why(e)}", exception_source(e)) from e
