@@ -49,9 +49,26 @@ side, 1 on each rank) does not refine yet, because torch's einsum then lowers th
 through different permutes (a size-1 batch dim placed elsewhere than a larger one), which
 compose only as views (`torch.einsum("gse,gsm->gem")` with g sharded is the smallest such pair).
 
-A dropless variant (each expert takes every token routed to it: data-dependent sizes and
-uneven all_to_all splits) cannot be captured: capture traces static shapes only (see
-`make_dropless_case`).
+The dropless variant (`make_dropless_case(config, bug)`, "ep2" and "ep4"; megablocks /
+DeepSpeed-dropless style: top-1, every routed token kept, the tokens sorted by expert, the
+per-expert counts exchanged, an uneven `all_to_all_single` there and back whose split sizes are
+those counts; the sequential model dense, every expert on every token, masked) is refused by
+capture at the ranks' first read of the counts, as data-dependent sizes: a graph traced with
+the captured counts would hold only for inputs routed as the captured ones, no proof for every
+input. Its bugs (`DROPLESS_BUGS`, not in PROGRAM) are the experts' gradients not scaled and the
+received counts read expert-major (split sizes of the wrong rank). tests/cases/
+test_zoo_moe_dropless.py runs them on real gloo process groups: the correct program matches
+the sequential model, each twin does not.
+
+What refining it for every routing needs (none of it exists): size symbols bound to tensor
+values (the count u = counts[e] of a routing, u >= 0, the counts summing to the tokens; torch's
+make_fx already traces `counts.tolist()` as such unbacked symbols), so that sizes may depend on
+data; an all_to_all with (symbolic) uneven splits, lowered to slices at symbolic offsets; and
+rules linking values to those sizes, checked by a harness that draws routings and their counts
+together: rows `[o_e, o_e + u_e)` of `x[argsort(k, stable)]` are the rows of x routed to e, in
+order (so the sequential sort of the concatenated tokens is the ranks' per-expert blocks,
+concatenated), and `index_copy` by the sort's order undoes it. Routing given as an input of both
+programs instead changes none of this: the sizes are still functions of its values.
 """
 
 from __future__ import annotations
@@ -267,37 +284,130 @@ def make_case(config: str, bug: str | None = None) -> capture.Spec:
                         name=f"moe_gshard_{config}{'_bug_' + bug if bug else ''}")
 
 
-class DroplessMoE(MoE):
-    """Dropless top-1 routing on a rank (megablocks / DeepSpeed-dropless style): the tokens
-    sorted by expert, every routed token kept, and the all_to_all's splits the per-expert
-    token counts, exchanged first: sizes known only from the data."""
+class AllToAllV(torch.autograd.Function):
+    """all_to_all_single over dim 0 with uneven splits (`send[j]` rows to rank j, `recv[j]` from
+    rank j); its gradient goes back by the reverse exchange, the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, x: torch.Tensor, recv: list[int],  # noqa: ANN001
+                send: list[int]) -> torch.Tensor:
+        ctx.group, ctx.recv, ctx.send = group, recv, send
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None, None]:  # noqa: ANN001
+        return None, AllToAllV.apply(ctx.group, grad, ctx.send, ctx.recv), None, None
+
+
+DROPLESS_BUGS = {  # bug -> what it does; each twin's line is marked `# BUG: <name>`
+    "dropless_expert_grad_not_scaled": "the experts' gradients are not divided by the EP size (pytorch #160285)",
+    "dropless_counts_read_expert_major": "the received per-(source rank, expert) token counts read expert-major: "
+                                         "the split sizes of the wrong rank (same totals, tokens given to the wrong "
+                                         "expert; a no-op with one expert per rank, so built at ep2)",
+}
+
+
+class DroplessMoE(nn.Module):
+    """Dropless top-1 routing (megablocks / DeepSpeed-dropless style): every routed token is
+    kept, so an expert's batch is as large as the tokens routed to it. The tokens are sorted by
+    expert (a stable argsort), split by the per-expert counts, each expert applied to its rows,
+    the rows put back in token order and weighted by their gate probability.
+
+    `group` None: the sequential model, dense (every expert on every token, each token keeping
+    its expert's output: static shapes, the same values). Else expert parallelism: the
+    per-expert counts are exchanged first (all_to_all: rank j receives, from every rank, the
+    counts of j's experts), the sorted tokens go to their experts' ranks by an uneven
+    all_to_all (split sizes: the counts), come back by the reverse one. Every size past the
+    routing is data-dependent."""
+
+    def __init__(self, experts: int, local: int, group: dist.ProcessGroup | None = None,
+                 bug: str | None = None) -> None:
+        super().__init__()
+        self.num_experts, self.group, self.bug = experts, group, bug
+        self.gate = nn.Linear(M, experts, bias=False)
+        self.experts = Experts(local)
+
+    def expert(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Local expert i's MLP on rows t [n, M]."""
+        return F.gelu(t @ self.experts.wi[i], approximate="tanh") @ self.experts.wo[i]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = dist.get_world_size(self.group)
+        """x [tokens, M] -> [tokens, M]."""
         probs = F.softmax(self.gate(x), dim=-1)
-        expert = torch.argmax(probs, dim=-1)
-        order = torch.argsort(expert, stable=True)
-        counts = F.one_hot(expert, self.num_experts).sum(0).reshape(w, -1).sum(1)  # tokens for each rank
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.group)
-        out = x.new_empty(int(received.sum()), M)
-        dist.all_to_all_single(out, x[order], received.tolist(), counts.tolist(), group=self.group)
-        return out  # (the experts and the return trip are never reached: capture stops above)
+        choice = torch.argmax(probs, dim=-1)
+        weight = probs.gather(1, choice[:, None])  # the chosen expert's probability
+        if self.group is None:  # every expert on every token, each token keeping its own expert's output
+            picked = F.one_hot(choice, self.num_experts).to(x.dtype)
+            return sum(self.expert(i, x) * picked[:, i:i + 1] for i in range(self.num_experts)) * weight
+        order = torch.argsort(choice, stable=True)
+        counts = F.one_hot(choice, self.num_experts).sum(0)  # tokens per expert
+        w = dist.get_world_size(self.group)
+        local = self.num_experts // w
+        got = torch.empty_like(counts)  # [source rank, local expert]: the tokens each rank sends each local expert
+        dist.all_to_all_single(got, counts, group=self.group)
+        send = counts.reshape(w, local).sum(1).tolist()  # data-dependent sizes
+        recv = got.reshape(w, local).sum(1).tolist()
+        tokens = AllToAllV.apply(self.group, x[order], recv, send)  # source-rank-major, expert within
+        if self.bug == "dropless_counts_read_expert_major":
+            sizes = got.reshape(local, w).transpose(0, 1).reshape(-1).tolist()  # BUG: dropless_counts_read_expert_major
+        else:
+            sizes = got.tolist()
+        chunks = tokens.split(sizes)  # chunk s * local + e: from rank s for local expert e
+        out = list(chunks)
+        for e in range(local):  # each local expert on its rows from every source rank at once
+            mine = [s * local + e for s in range(w)]
+            y_e = self.expert(e, torch.cat([chunks[k] for k in mine])).split([sizes[k] for k in mine])
+            for k, part in zip(mine, y_e, strict=True):
+                out[k] = part
+        y = AllToAllV.apply(self.group, torch.cat(out), send, recv)
+        unsorted = torch.zeros_like(y).index_copy(0, order, y)  # back in token order
+        return unsorted * weight
 
 
-def make_dropless_case(config: str = "ep2") -> capture.Spec:
-    """The dropless variant's step on the ranks (refused by capture: data-dependent sizes)."""
+def dropless_step(model: Model, x: torch.Tensor, target: torch.Tensor, bug: str | None = None) -> torch.Tensor:
+    """The expert-parallel step of the dropless model (as `ep_train_step`)."""
+    w = dist.get_world_size()
+    loss = F.mse_loss(model(x), target)
+    loss.backward()
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            if bug != "dropless_expert_grad_not_scaled":
+                p.grad.div_(w)  # BUG: dropless_expert_grad_not_scaled
+        else:
+            dist.all_reduce(p.grad)
+            p.grad.div_(w)
+    dist.all_reduce(loss := loss.detach().clone())
+    return loss / w
+
+
+def _dropless(model: Model, experts: int, local: int, group: dist.ProcessGroup | None, bug: str | None) -> Model:
+    """`model` with its MoE layers made dropless (the same parameters)."""
+    for layer in model.layers:
+        moe = DroplessMoE(experts, local, group, bug)
+        moe.load_state_dict(layer.moe.state_dict())
+        layer.moe = moe  # type: ignore[assignment]
+    return model
+
+
+def make_dropless_case(config: str = "ep2", bug: str | None = None) -> capture.Spec:
+    """The dropless variant: refused by capture, its ranks' sizes depend on the routing, so on the
+    data (tests/cases/test_zoo_moe_dropless.py runs it on real process groups against the
+    sequential model)."""
+    if config not in ("ep2", "ep4"):
+        raise ValueError(f"unknown dropless configuration {config!r} (ep2, ep4)")
+    if bug is not None and bug not in DROPLESS_BUGS:
+        raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(DROPLESS_BUGS)})")
     spec = make_case(config)
     world, experts = _CONFIGS[config]
+    seq = _dropless(spec.sequential.model, experts, experts, None, None)
 
     def rank(r: int) -> capture.Step:
         step = spec.rank(r)
-        model = step.model
-        for layer in model.layers:
-            moe = DroplessMoE(experts, experts // world, dist.group.WORLD)
-            moe.load_state_dict(layer.moe.state_dict())
-            layer.moe = moe
-        return capture.Step(model, step.step, step.inputs)
+        model = _dropless(step.model, experts, experts // world, dist.group.WORLD, bug)  # type: ignore[arg-type]
+        return capture.Step(model, lambda m, **kw: dropless_step(m, **kw, bug=bug), step.inputs)
 
-    return capture.Spec(sequential=spec.sequential, rank=rank, world_size=spec.world_size, mesh=spec.mesh,
-                        name=f"moe_gshard_dropless_{config}")
+    return capture.Spec(sequential=capture.Step(seq, train_step, spec.sequential.inputs), rank=rank,
+                        world_size=world, mesh=spec.mesh,
+                        name=f"moe_gshard_dropless_{config}{'_bug_' + bug if bug else ''}")

@@ -78,9 +78,11 @@ def test_each_bug_does_not_refine_at_its_line(bug: str) -> None:
 
 
 def test_the_dropless_variant_is_refused_where_sizes_depend_on_data() -> None:
+    """At the ranks' first read of the routing's counts (more: tests/cases/test_zoo_moe_dropless.py)."""
     with pytest.raises(CaptureError, match="data-dependent") as e:
         capture(ZOO.module.make_dropless_case())
-    line = next(i for i, t in enumerate(ZOO.path.read_text().splitlines(), 1) if "x.new_empty(int(received" in t)
+    line = next(i for i, t in enumerate(ZOO.path.read_text().splitlines(), 1)
+                if "send = counts.reshape(w, local).sum(1).tolist()" in t)
     assert f"moe_gshard.py:{line}" in str(e.value)
 
 

@@ -53,9 +53,12 @@ reductions would be unspecified).
 Scalar reads (refine.frontends.capture.scalars): a rank's `t.item()` (`int(t)`, `bool(t)`) of a
 value that depends on no input and no random number, only on constants the ranks exchange (a
 torch.distributed.pipelining schedule's vote on static or dynamic shape inference), is
-resolved by running the ranks' traced prefixes with real tensors and traced as that value;
-every read is evaluated again on the final traces. A read of an input-dependent value is
-data-dependent control flow, refused at its line. So `torch.distributed.pipelining`'s GPipe,
+resolved by running the ranks' traced prefixes with real tensors (sends and recvs, and
+collectives: all_to_all_single with its split sizes, all_reduce, all_gather) and traced as that
+value; every read is evaluated again on the final traces. The sequential step's reads are
+resolved the same way. A read of an input-dependent value is data-dependent control flow or
+sizes (a dropless MoE's routing counts), refused at its line, naming the inputs it is computed
+from. So `torch.distributed.pipelining`'s GPipe,
 1F1B and interleaved 1F1B schedules are captured (models/capture/pp_schedule.py; stages given
 their micro-batch's input and output: dynamic shape inference exchanges pickled objects, not
 covered).

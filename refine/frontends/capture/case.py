@@ -188,7 +188,7 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
     mesh = spec.axes()
     seq_step = spec.sequential if isinstance(spec.sequential, Step) else spec.sequential()
     with collecting() as named:
-        seq_tr = trace_step(seq_step, "the sequential step")
+        seq_tr = _trace_sequential(seq_step)
     if named:
         raise CaptureError(f"the sequential step annotates {sorted(named)}: annotations describe rank tensors")
     seq_cv = convert(seq_tr, registry, "the sequential step")
@@ -250,6 +250,28 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
         "scalar_reads": {r: list(v) for r, v in known.items() if v},
     }
     return Case(spec.name, seq_doc, dist_doc, seq, dist, registry, guesses, notes, stats, unchecked)
+
+
+def _trace_sequential(step: Step) -> Traced:
+    """The sequential step's trace, its scalar reads resolved as the ranks' are: a read of a
+    constant is traced as its value, one of an input-dependent value refused at its line (left to
+    make_fx, it would trace as a size symbol of torch's that refine has no counterpart for)."""
+    where = "the sequential step"
+    known: list[Any] = []
+    while True:
+        try:
+            tr = trace_step(step, where, scalars.Reads(known=list(known)))
+        except scalars.Unresolved as u:
+            program = scalars.compile_rank(0, u.graph, u.root, u.read.cutoff, [u.read], where, u.names)
+            known.append(scalars.evaluate([program])[0][-1])
+            continue
+        if tr.reads:  # the final trace must give every read the value it took
+            program = scalars.compile_rank(0, tr.gm.graph, tr.gm, max(x.cutoff for x in tr.reads), tr.reads, where,
+                                           [n for n, _, _ in tr.inputs])
+            if (got := scalars.evaluate([program])[0]) != known:
+                raise CaptureError(f"{where}: its scalar reads gave {got} on the final trace, but the trace took "
+                                   f"{known}: the traced program is not deterministic")
+        return tr
 
 
 def _trace_rank(spec: Spec, r: int, known: list[Any], registry: Registry
