@@ -294,3 +294,26 @@ def test_a_count_exchanged_after_a_parameter_read_is_refused() -> None:
 
 
 _current: nn.Linear = nn.Linear(4, 4)
+
+
+def test_a_sequential_step_logging_its_loss_still_captures() -> None:
+    """A read of an input-dependent value that nothing uses (`print(loss.item())`) is no size
+    and no branch: the sequential step traces as make_fx traces it (the read a dead node)."""
+    logged: list[object] = []
+
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = m(x).pow(2).sum()
+        logged.append(loss.item())
+        loss.backward()
+        return loss
+
+    def plain(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 4), torch.randn(4, 4)
+    case = capture(capture.Spec(sequential=capture.Step(m, step, {"x": x}),
+                                rank=lambda r: capture.Step(m, plain, {"x": capture.replicate(x)}), world_size=1))
+    assert logged and case.check().refines

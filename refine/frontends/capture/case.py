@@ -253,25 +253,50 @@ def capture(spec: Spec, registry: Registry | None = None) -> Case:
 
 
 def _trace_sequential(step: Step) -> Traced:
-    """The sequential step's trace, its scalar reads resolved as the ranks' are: a read of a
-    constant is traced as its value, one of an input-dependent value refused at its line (left to
-    make_fx, it would trace as a size symbol of torch's that refine has no counterpart for)."""
+    """The sequential step's trace. Its scalar reads are resolved as the ranks' are (a read of a
+    constant traced as its value); when that fails (a read of an input-dependent value, or one
+    the runner cannot reach), the step is traced by make_fx alone, as it always was: a read whose
+    value nothing uses stays a dead node, but one that reaches a size or a value (torch traces it
+    as an unbacked symbol, which refine has no counterpart for) is refused with the reason the
+    resolution gave: its line and the inputs it depends on."""
     where = "the sequential step"
     known: list[Any] = []
-    while True:
+    try:
+        while True:
+            try:
+                tr = trace_step(step, where, scalars.Reads(known=list(known)))
+            except scalars.Unresolved as u:
+                program = scalars.compile_rank(0, u.graph, u.root, u.read.cutoff, [u.read], where, u.names)
+                known.append(scalars.evaluate([program])[0][-1])
+                continue
+            if tr.reads:  # the final trace must give every read the value it took
+                program = scalars.compile_rank(0, tr.gm.graph, tr.gm, max(x.cutoff for x in tr.reads), tr.reads,
+                                               where, [n for n, _, _ in tr.inputs])
+                if (got := scalars.evaluate([program])[0]) != known:
+                    raise CaptureError(f"{where}: its scalar reads gave {got} on the final trace, but the trace "
+                                       f"took {known}: the traced program is not deterministic")
+            return tr
+    except CaptureError as refused:
         try:
-            tr = trace_step(step, where, scalars.Reads(known=list(known)))
-        except scalars.Unresolved as u:
-            program = scalars.compile_rank(0, u.graph, u.root, u.read.cutoff, [u.read], where, u.names)
-            known.append(scalars.evaluate([program])[0][-1])
-            continue
-        if tr.reads:  # the final trace must give every read the value it took
-            program = scalars.compile_rank(0, tr.gm.graph, tr.gm, max(x.cutoff for x in tr.reads), tr.reads, where,
-                                           [n for n, _, _ in tr.inputs])
-            if (got := scalars.evaluate([program])[0]) != known:
-                raise CaptureError(f"{where}: its scalar reads gave {got} on the final trace, but the trace took "
-                                   f"{known}: the traced program is not deterministic")
+            tr = trace_step(step, where)
+        except CaptureError:
+            raise refused from None
+        if _symbolic(tr.gm.graph):
+            raise refused from None
         return tr
+
+
+def _symbolic(graph: Any) -> bool:
+    """Whether a value or a size of the graph is one of torch's symbols (an unbacked scalar read
+    that is used: a dead read of a logged value is not)."""
+    def has(v: Any) -> bool:
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(v, torch.Tensor):
+            return any(not isinstance(s, int) for s in v.shape)
+        return isinstance(v, (list, tuple)) and any(has(x) for x in v)
+    return any(has(n.meta.get("val")) for n in graph.nodes
+               if not (n.target is torch.ops.aten._local_scalar_dense.default and not n.users))
 
 
 def _trace_rank(spec: Spec, r: int, known: list[Any], registry: Registry

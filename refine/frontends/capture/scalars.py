@@ -304,7 +304,10 @@ def _collective(rank: int, n: fx.Node, root: torch.nn.Module, qual: str, where: 
     Legacy ones write their output buffer (or tensor list) in place, as recv does."""
     a = aten.bind(n.target, n.args, dict(n.kwargs))
     legacy = qual.startswith("c10d::")
-    group = _members(a["process_group"] if legacy else a["group_name"], root)
+    try:
+        group = _members(a["process_group"] if legacy else a["group_name"], root)
+    except (KeyError, ValueError, RuntimeError, AttributeError):  # a group gone (or none): refused only if run
+        return _refusing(rank, n, where, f"{qual} over a process group capture cannot resolve")
     key = (rank, n)
     if qual == "c10d::allreduce_":
         (src,) = a["tensors"]
