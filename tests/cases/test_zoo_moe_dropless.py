@@ -317,3 +317,16 @@ def test_a_sequential_step_logging_its_loss_still_captures() -> None:
     case = capture(capture.Spec(sequential=capture.Step(m, step, {"x": x}),
                                 rank=lambda r: capture.Step(m, plain, {"x": capture.replicate(x)}), world_size=1))
     assert logged and case.check().refines
+
+
+def test_collectives_of_subgroups_are_matched_per_group() -> None:
+    """Two groups of two ranks each all-reduce their ranks' numbers: each group its own sum."""
+    def factor() -> int:
+        r = dist.get_rank()
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        v = torch.tensor([r])
+        dist.all_reduce(v, group=pairs[r // 2])
+        return int(v.item())
+
+    case = capture(_exchange_spec(factor, 4))
+    assert case.stats["scalar_reads"] == {0: [1], 1: [1], 2: [5], 3: [5]}

@@ -345,7 +345,10 @@ def _collective(rank: int, n: fx.Node, root: torch.nn.Module, qual: str, where: 
         if len(got) < len(group):
             return False
         tainted = any(t for _, _, t in got.values())
-        value = None if tainted else result([(got[g][0], got[g][1]) for g in group])  # type: ignore[misc]
+        try:
+            value = None if tainted else result([(got[g][0], got[g][1]) for g in group])  # type: ignore[misc]
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise CaptureError(f"{where}: a scalar read needs {qual} run concretely, which failed: {e}") from e
         if dst is None:  # functional: a new tensor
             run.env[key] = value
             if tainted:
@@ -459,7 +462,8 @@ def evaluate(programs: list[Program]) -> dict[int, list[int | float | bool]]:
                     break
         if not moved:
             waiting = [p.where for p in programs if at[p.rank] < p.cutoff]
-            raise CaptureError(f"a scalar read cannot be evaluated: {', '.join(waiting)} wait on recvs no rank sends")
+            raise CaptureError(f"a scalar read cannot be evaluated: {', '.join(waiting)} wait on recvs no rank sends "
+                               "or on collectives not every member of their group reaches")
     for p in programs:
         for read in p.reads:
             key = (p.rank, read.node)
