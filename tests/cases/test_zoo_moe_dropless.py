@@ -330,3 +330,29 @@ def test_collectives_of_subgroups_are_matched_per_group() -> None:
 
     case = capture(_exchange_spec(factor, 4))
     assert case.stats["scalar_reads"] == {0: [1], 1: [1], 2: [5], 3: [5]}
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_an_uneven_exchange_of_constants_is_run_as_torch_runs_it(functional: bool) -> None:
+    """Rank 0 sends [0 | 1, 2] (splits [1, 2]), rank 1 [10, 11 | 12] (splits [2, 1]): rank 0
+    receives [0, 10, 11], rank 1 [1, 2, 12] (each source's chunk, in source order, as gloo does);
+    the read digits them, and the step checks them (a wrong value stops its trace). The uneven
+    exchange is then refused by conversion (refine's all_to_all splits evenly)."""
+    import torch.distributed._functional_collectives as funcol
+
+    def factor() -> int:
+        r = dist.get_rank()
+        x = torch.arange(3) + 10 * r
+        send = [1, 2] if r == 0 else [2, 1]
+        if functional:
+            got = funcol.all_to_all_single(x, send, send, dist.group.WORLD)
+        else:
+            got = torch.empty(3, dtype=torch.int64)
+            dist.all_to_all_single(got, x, send, send)
+        v = int((got * torch.tensor([1, 100, 10000])).sum().item())
+        if v != [110000 + 1000 + 0, 120000 + 200 + 1][r]:
+            raise AssertionError(f"rank {r} read {v}")
+        return 2
+
+    with pytest.raises(CaptureError, match="uneven all_to_all"):  # reached only once every read was right
+        capture(_exchange_spec(factor, 2))
