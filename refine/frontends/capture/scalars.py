@@ -7,10 +7,13 @@ themselves, as torch.distributed.pipelining's schedules vote on how to infer sha
 sends the product of the votes so far on, the last stage sends the result back, and every stage
 branches on `result.item()`), capture can know it: it traces each rank until its first unknown
 read, runs the traced prefixes of all ranks with real tensors (sends and recvs matched per pair
-of ranks in program order), reads the value, and traces again with it; until no rank stops.
+of ranks in program order, collectives per group: all_to_all_single with its split sizes,
+all_reduce, all_gather), reads the value, and traces again with it; until no rank stops. The
+sequential step's reads are resolved the same way (refine.frontends.capture.case).
 
-A read whose value depends on a parameter, buffer, input or random number is refused as before
-(data-dependent control flow): baking such a value in would hold only for the captured inputs.
+A read whose value depends on a parameter, buffer, input or random number is refused (data-
+dependent control flow or sizes: a dropless MoE's routing counts), naming the inputs it is
+computed from: baking such a value in would hold only for the inputs that give it.
 At the end every read is evaluated again on the final traces and must give the value the trace
 took (`check`), so the graphs refine checks are the ones the reads were made on.
 """
