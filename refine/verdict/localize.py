@@ -108,6 +108,8 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             # over a fused value no rank holds (a global norm): a missing reduction shows
             # only in the values, so try adding one (refine.verdict.missing_reduce)
             missing = _missing_reduce(seq, dist, registry, failing)
+            if missing is None:  # or one rank sums a term it should not (refine.verdict.terms)
+                missing = _wrong_term(seq, dist, registry, failing)
             if missing is not None:
                 rank_node, rank_source, why = missing
                 reason += f"; {why}"
@@ -194,6 +196,25 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
     made = tensor_name(found.rank, lower(dist.ranks[found.rank], registry)[1].get(found.node, found.node))
     what = (f"a SUM all-reduce over ranks {found.group} after {found.node}@{found.rank} ({made}) and the other "
             f"nodes of its line makes every output right on random inputs: the reduction is missing there")
+    return made, found.source, what
+
+
+def _wrong_term(seq: Graph, dist: Dist, registry: Registry,
+                failing: list[OutputResult]) -> tuple[str, str, str] | None:
+    """`refine.verdict.terms.wrong_term` for the failing outputs: (the rank `Sum` node as the
+    checker names it, its source line, what the edit showed), or None."""
+    from refine.verdict.terms import wrong_term  # runs rank programs: imports torch, only here
+
+    found = wrong_term(seq, dist, registry, [r.name for r in failing])
+    if found is None:
+        return None
+    made = tensor_name(found.rank, found.sum)
+    term = f"{found.term}@{found.rank}" + (f" (made at {found.term_source})" if found.term_source else "")
+    twice = (f"; {found.twin[1]}@{found.twin[0]}, summed too, has the same value and the programs without it "
+             "are right as well: the value is counted twice" if found.twin else "")
+    what = (f"rank {found.rank} sums the term {term} into its piece of the reduction over ranks "
+            f"{found.reduction}@{found.rank}" + (f" at {found.reduction_source}" if found.reduction_source else "")
+            + f"; the programs without that term make every output right on random inputs{twice}")
     return made, found.source, what
 
 
