@@ -210,8 +210,13 @@ def _wrong_term(seq: Graph, dist: Dist, registry: Registry,
         return None
     made = tensor_name(found.rank, found.sum)
     term = f"{found.term}@{found.rank}" + (f" (made at {found.term_source})" if found.term_source else "")
-    twice = (f"; {found.twin[1]}@{found.twin[0]}, summed too, has the same value and the programs without it "
-             "are right as well: the value is counted twice" if found.twin else "")
+    if found.twin is None:
+        twice = ""
+    elif found.twin == (found.rank, found.term):
+        twice = "; the sum takes that term twice: it is counted twice"
+    else:
+        twice = (f"; {found.twin[1]}@{found.twin[0]}, summed too, has the same value and the programs without it "
+                 "are right as well: the value is counted twice")
     what = (f"rank {found.rank} sums the term {term} into its piece of the reduction over ranks "
             f"{found.reduction}@{found.rank}" + (f" at {found.reduction_source}" if found.reduction_source else "")
             + f"; the programs without that term make every output right on random inputs{twice}")
