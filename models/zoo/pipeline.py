@@ -77,11 +77,18 @@ PROGRAM = Program(
         "tied_grad_not_reduced": Bug("pp2_gpipe", "the tied embedding's gradient not all-reduced between the first "
                                      "and last stage (Megatron's _allreduce_word_embedding_grads left out)",
                                      known_miss=_NORM_FIRST + "the tied gradient's norm is of the sum of the two "
-                                     "stages' partial gradients, which no rank holds"),
+                                     "stages' partial gradients, which no rank holds; the missing all-reduce's operands "
+                                     "are made on two lines (the lookup's backward on the first stage, the head's on "
+                                     "the last), and refine.verdict.missing_reduce inserts a reduction after one line "
+                                     "run on every rank of a group"),
         "zero_grad_after_step": Bug("pp2_1f1b", "the first stage's zero_grad() placed after the schedule's step "
                                     "instead of before it: its gradients are dropped (the misplaced zero_grad "
                                     "forum threads and trackers record)",
-                                    known_miss=_NORM_FIRST + "the first stage's squared norms are of zeroed gradients"),
+                                    known_miss=_NORM_FIRST + "the first stage's squared norms are of zeroed gradients, "
+                                    "which the trace folds into constants made on the norm's line (grad_norm's "
+                                    "get_total_norm), with no link to the zero_grad line; no single term dropped "
+                                    "repairs the norm (refine.verdict.terms), and no repair of one line's values "
+                                    "reaches both the gradients and the folded norms"),
         "loss_not_rescaled": Bug("pp2_1f1b", "each micro-batch's loss divided by its own token count, not the "
                                  "batch's, with the schedule's gradient scaling off: gradients `micro` times too large "
                                  "(the loss-scaling kind of gradient-accumulation bug trackers record)",

@@ -20,7 +20,9 @@ report's. The culprit, among the ancestors of a failing output, in this order:
    2 too: a scale is a clean relation, so a wrong factor is carried along until an op where
    the scaled pieces no longer combine, far from where it entered); and when the node of
    rule 2 is over a fused value no rank holds (a global norm), the missing-reduction search
-   of `refine.verdict.missing_reduce`. Either names the rank line at fault as `source`,
+   of `refine.verdict.missing_reduce`, then `refine.verdict.terms`'s search for a term one
+   rank sums into its piece of a reduction over ranks that it should not (a tied weight's
+   squares counted on two pipeline stages). Each names the rank line at fault as `source`,
    `rank_node`, `rank_source`, and keeps the sequential node's own line as `seq_source`.
 
 Fused nodes (`Op.fuse`) and carried bool/int nodes (a mask every rank computes only for its
