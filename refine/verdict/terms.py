@@ -32,6 +32,8 @@ from refine.ir.graph import Dist, Graph, Node, case_symbols
 from refine.ops.interp import (
     EvalError,
     close,
+    eval_budget,
+    eval_elements,
     eval_graph,
     eval_ranks,
     instantiate,
@@ -114,6 +116,8 @@ def wrong_term(seq: Graph, dist: Dist, registry: Registry, failing: list[str], s
         symbols = case_symbols(seq, dist)
         if symbols:
             seq, dist = instantiate(seq, dist, valuation(symbols, seed))
+        if eval_elements(seq, dist) > eval_budget():  # too large to run (the counterexample search reduces it)
+            return None
         cores = {r: lower(g, registry)[0] for r, g in sorted(dist.ranks.items())}
         seq_in, rank_in = random_inputs(seq, dist, seed, registry)
         seq_vals = eval_graph(seq, registry, seq_in)
