@@ -110,6 +110,8 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             # over a fused value no rank holds (a global norm): a missing reduction shows
             # only in the values, so try adding one (refine.verdict.missing_reduce)
             missing = _missing_reduce(seq, dist, registry, failing)
+            if missing is None:  # or pieces made on lines of their own, never summed
+                missing = _held_apart(seq, dist, registry, failing, node, inf)
             if missing is None:  # or one rank sums a term it should not (refine.verdict.terms)
                 missing = _wrong_term(seq, dist, registry, failing)
             if missing is not None:
@@ -199,6 +201,41 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
     what = (f"a SUM all-reduce over ranks {found.group} after {found.node}@{found.rank} ({made}) and the other "
             f"nodes of its line makes every output right on random inputs: the reduction is missing there")
     return made, found.source, what
+
+
+def _held_apart(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], node: Node,
+                inf: Inference) -> tuple[str, str, str] | None:
+    """`refine.verdict.missing_reduce.held_apart` for each sum of one piece per rank in the
+    node's input relations (the ranks' pieces of a tensor the sequence holds whole): (the
+    first rank's piece as the checker names it, its line, what the edit showed), or None."""
+    # runs rank programs: imports torch, only here
+    from refine.verdict.missing_reduce import held_apart
+
+    tried: list[dict[int, str]] = []
+    for a in node.tensor_args():
+        for t in _subterms(inf.relations[a]):
+            if t.op != "Sum" or not all(x.op == "D" for x in t.args):
+                continue
+            pieces: dict[int, str] = {}
+            for x in t.args:
+                base, _, r = x.attrs[0].rpartition("@")
+                pieces.setdefault(int(r), base)
+            if len(pieces) != len(t.args) or len(pieces) < 2 or pieces in tried:
+                continue  # one piece per rank only
+            tried.append(pieces)
+            found = held_apart(seq, dist, registry, [r.name for r in failing], pieces)
+            if found is None:
+                continue
+            first = next((r for r in sorted(found.sources) if found.sources[r]), None)
+            if first is None:
+                return None
+            held = ", ".join(f"{tensor_name(r, x)}" + (f" at {found.sources[r]}" if found.sources[r] else "")
+                             for r, x in sorted(found.pieces.items()))
+            what = (f"the ranks hold this value in pieces ({held}) that no collective sums: with each piece set to "
+                    f"their sum every output is right on random inputs, so a SUM reduction over ranks "
+                    f"{sorted(found.pieces)} is missing after them")
+            return tensor_name(first, found.pieces[first]), found.sources[first], what  # type: ignore[return-value]
+    return None
 
 
 def _wrong_term(seq: Graph, dist: Dist, registry: Registry,
