@@ -61,8 +61,9 @@ STAGES = 2
 # every bug makes the clip's global norm wrong before anything else: the localization stops at
 # the sequential clip_grad_norm_ (its total norm, a value fused over every rank's gradients that
 # no rank holds); a term one stage sums into its piece of the norm that it should not
-# (tied_norm_counted_twice) is then found by dropping terms (refine.verdict.terms), the others
-# name no rank line
+# (tied_norm_counted_twice) is then found by dropping terms (refine.verdict.terms), and the tied
+# gradient's two pieces never summed (tied_grad_not_reduced) by setting each to their sum
+# (refine.verdict.missing_reduce.held_apart); the others name no rank line
 _NORM_FIRST = "the report stops at the sequential clip_grad_norm_'s total norm, which no rank holds: "
 
 CONFIGS = {"pp2_gpipe": (ScheduleGPipe, 2), "pp2_1f1b": (Schedule1F1B, 2), "pp2_m4": (Schedule1F1B, 4)}
@@ -75,12 +76,7 @@ PROGRAM = Program(
         "tied_norm_counted_twice": Bug("pp2_1f1b", "the tied embedding's gradient counted in the grad norm on both "
                                        "the first and the last pipeline stage (Megatron-LM #7227)"),
         "tied_grad_not_reduced": Bug("pp2_gpipe", "the tied embedding's gradient not all-reduced between the first "
-                                     "and last stage (Megatron's _allreduce_word_embedding_grads left out)",
-                                     known_miss=_NORM_FIRST + "the tied gradient's norm is of the sum of the two "
-                                     "stages' partial gradients, which no rank holds; the missing all-reduce's operands "
-                                     "are made on two lines (the lookup's backward on the first stage, the head's on "
-                                     "the last), and refine.verdict.missing_reduce inserts a reduction after one line "
-                                     "run on every rank of a group"),
+                                     "and last stage (Megatron's _allreduce_word_embedding_grads left out)"),
         "zero_grad_after_step": Bug("pp2_1f1b", "the first stage's zero_grad() placed after the schedule's step "
                                     "instead of before it: its gradients are dropped (the misplaced zero_grad "
                                     "forum threads and trackers record)",
