@@ -63,7 +63,7 @@ STAGES = 2
 # no rank holds); a term one stage sums into its piece of the norm that it should not
 # (tied_norm_counted_twice) is then found by dropping terms (refine.verdict.terms), and the tied
 # gradient's two pieces never summed (tied_grad_not_reduced) by setting each to their sum
-# (refine.verdict.missing_reduce.held_apart); the others name no rank line
+# (refine.verdict.missing_reduce.held_apart); zero_grad_after_step names none
 _NORM_FIRST = "the report stops at the sequential clip_grad_norm_'s total norm, which no rank holds: "
 
 CONFIGS = {"pp2_gpipe": (ScheduleGPipe, 2), "pp2_1f1b": (Schedule1F1B, 2), "pp2_m4": (Schedule1F1B, 4)}
@@ -87,11 +87,8 @@ PROGRAM = Program(
                                     "reaches both the gradients and the folded norms"),
         "loss_not_rescaled": Bug("pp2_1f1b", "each micro-batch's loss divided by its own token count, not the "
                                  "batch's, with the schedule's gradient scaling off: gradients `micro` times too large "
-                                 "(the loss-scaling kind of gradient-accumulation bug trackers record)",
-                                 known_miss="the reported loss (the sum of the micro-batch losses) is proven wrong "
-                                 "first, so the report names the line summing them (the loss output's maker); "
-                                 "refine.verdict.factor names no single (line, constant) edit, as for ddp_accum's "
-                                 "loss_not_divided"),
+                                 "(the loss-scaling kind of gradient-accumulation bug trackers record); the clipped "
+                                 "gradients are wrong only through the norm's epsilon, the loss is `micro` times too large"),
     },
 )
 

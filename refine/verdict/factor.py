@@ -14,7 +14,9 @@ edit makes every output right is the culprit.
 
 How `c` is read: on those random inputs, as a least-squares ratio between each failing
 output and what its expectation wants, read as a rational with denominator up to 10^6 and
-checked elementwise. When the outputs are no multiple of what the ranks hold but some of
+checked elementwise; a failing output right on the draw to within the counterexample
+search's precision (gradients clipped by a norm `c` times too large, wrong only through the
+norm's epsilon) gives no ratio, though the edit must keep it right. When the outputs are no multiple of what the ranks hold but some of
 their terms are (the relation and the rank output are weighted sums of the same tensors, and
 the terms weighted differently are all off by one `c`: micro-batch means added where the
 sequential mean halves each, next to a term that is right), the checker reads `c` off the
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import torch
@@ -53,6 +55,7 @@ from refine.ops.interp import (
 )
 from refine.ops.lower import rational
 from refine.ops.registry import Registry
+from refine.verdict.counterexample import significant
 from refine.verdict.expect import expected_terms
 
 MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)
@@ -67,6 +70,9 @@ class WrongFactor:
     factor: Fraction  # the output's sequential value over what the rank outputs hold
     edit: str  # what the counterfactual changed, for the report
     outputs: list[str]  # the failing outputs
+    # failing outputs right on the draw (wrong by less than the counterexample search sees),
+    # which say nothing of the factor
+    right: list[str] = field(default_factory=list)
 
 
 def _rational(v: float) -> Fraction:
@@ -199,6 +205,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
     outs = _rank_outputs(dist.ranks, rank_vals)
     refs = {o.name: o.ref for o in seq.outputs}
     factors: set[Fraction] = set()
+    right: set[str] = set()
     roots: dict[int, set[str]] = {r: set() for r in dist.ranks}  # failing rank outputs' tensors
     for name in failing:
         terms = expected_terms(dist, name, set(outs))
@@ -210,9 +217,16 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                     got = eval_term(t, registry, outs)
                 except Exception:  # noqa: BLE001 - not a constant multiple, then
                     return None
-                c = _ratio(seq_vals[refs[name]], got)
-                if c is not None:  # an output that is no multiple (a parameter updated with a
-                    factors.add(c)  # gradient off by c) gives none; the edit must still repair it
+                # an output that is no multiple (a parameter updated with a gradient off by c)
+                # gives no c, and one right on the draw (wrong by less than the comparison sees:
+                # gradients clipped by a norm twice too large but for its epsilon, as the
+                # counterexample search compares) says nothing of c; the edit must still keep
+                # each right
+                want = seq_vals[refs[name]]
+                if not significant(got, want)[0]:
+                    right.add(name)
+                elif (c := _ratio(want, got)) is not None:
+                    factors.add(c)
             for leaf in t.leaves():
                 local, _, r = leaf.rpartition("@")
                 roots[int(r)].add(dist.ranks[int(r)].output(local).ref)
@@ -278,7 +292,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             else:  # a computed divisor
                 desc = f"its quotient by {node.args[1]} times {c}: the divisor is {c} times what it should be"
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
-                               sorted(failing))
+                               sorted(failing), sorted(right))
     return None
 
 

@@ -292,6 +292,9 @@ def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[Outp
             f"every output right on random inputs, while {held} {found.factor} times what the ranks hold")
     lead = ("the terms that every failing output and the rank outputs weight differently are all off by one "
             "constant factor") if terms else "every failing output is off by one constant factor"
+    if found.right:
+        lead += (f" or, as {', '.join(found.right[:3])}{' ...' if len(found.right) > 3 else ''}, right on random "
+                 "inputs to within the counterexample search's precision")
     return made, found.source, what, lead
 
 
