@@ -299,3 +299,47 @@ def test_an_output_right_on_the_draw_says_nothing_of_the_factor(tmp_path: Path) 
     assert found.right == ["ratio"], found
     # only outputs right on the draw: no factor to read, nothing is blamed
     assert wrong_factor(seq, dist, REG, ["ratio"]) is None
+
+
+def test_a_line_making_two_constants_is_edited_whole(tmp_path: Path) -> None:
+    """One line (f.py:1) makes the loss's mean and a gradient's scale, two constants both twice
+    what they should be (a micro-batch loss left undivided: mse_loss's forward mean and its
+    backward's scale): neither edited alone repairs both outputs, the line's whole scaling does."""
+    import json
+
+    from refine.verdict.factor import wrong_factor
+
+    def program(mean: float, scale: float) -> dict:
+        return {"inputs": [{"name": "x", "shape": [2, 2], "role": "data"}],
+                "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:2"},
+                          {"name": "m", "op": "mul", "args": ["s", mean], "shape": [], "source": "f.py:1"},
+                          {"name": "r", "op": "all_reduce", "args": ["m"], "shape": [], "source": "f.py:9",
+                           "attrs": {"reduce_op": "avg", "group": [0, 1]}},
+                          {"name": "g", "op": "mul", "args": ["x", scale], "shape": [2, 2], "source": "f.py:1"}],
+                "outputs": [{"name": "loss", "ref": "r", "role": "loss"}, {"name": "grad", "ref": "g", "role": "other"}]}
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [4, 2], "role": "data"}],
+        "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": []},
+                  {"name": "m", "op": "mul", "args": ["s", 0.125], "shape": []},
+                  {"name": "g", "op": "mul", "args": ["x", 0.75], "shape": [4, 2]}],
+        "outputs": [{"name": "loss", "ref": "m", "role": "loss"}, {"name": "grad", "ref": "g", "role": "other"}]}}
+
+    def dist(mean: float, scale: float) -> dict:
+        return {"format": "refine-graph", "version": 1, "kind": "distributed",
+                "mesh": {"axes": [{"name": "dp", "size": 2}]},
+                "ranks": [{"rank": r, "graph": program(mean, scale)} for r in (0, 1)],
+                "relations": [{"from": "x", "placements": ["Shard(0)"]}],
+                "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]},
+                                 {"output": "grad", "local": "grad", "placements": ["Shard(0)"]}]}
+
+    (tmp_path / "seq.json").write_text(json.dumps(seq))
+    (tmp_path / "dist.json").write_text(json.dumps(dist(0.25, 0.75)))
+    assert check_files(tmp_path / "seq.json", tmp_path / "dist.json").refines
+    (tmp_path / "dist.json").write_text(json.dumps(dist(0.5, 1.5)))
+    s = load_seq(tmp_path / "seq.json", REG)
+    found = wrong_factor(s, load_dist(tmp_path / "dist.json", REG, s), REG, ["loss", "grad"])
+    assert found is not None and (found.source, found.factor) == ("f.py:1", Fraction(1, 2)), found
+    assert found.edit.startswith("each constant factor of the line times 1/2"), found.edit
+    report = check_files(tmp_path / "seq.json", tmp_path / "dist.json")
+    assert not report.refines and report.culprit is not None and report.culprit.rank_source == "f.py:1", report
