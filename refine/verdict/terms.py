@@ -124,6 +124,8 @@ def wrong_term(seq: Graph, dist: Dist, registry: Registry, failing: list[str], s
         rank_vals = eval_ranks(cores, registry, rank_in)
     except (EvalError, RuntimeError, ValueError, KeyError):
         return None
+    if _outputs_ok(seq_vals, seq, dist, _rank_outputs(cores, rank_vals), registry):
+        return None  # right as it is (an UNPROVEN program): nothing to repair
     dist_of = distances(replace(dist, ranks=cores),
                         {r: [o.ref for o in g.outputs if o.name in failing] for r, g in cores.items()})
     terms: list[_Term] = []
