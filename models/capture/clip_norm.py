@@ -20,6 +20,10 @@ buggy twins:
   all-reduce adds their squares world times: the norm is too large.
 - "norm_not_all_reduced": the all-reduce of the squared norm is missing, so each rank
   clips with the norm of its own shards.
+- "bias_counted_on_two_ranks": TP rank 1 counts the replicated fc2 bias as well (a shared
+  parameter's gradient counted on two ranks, as Megatron-LM #7227's tied embedding).
+- "shard_listed_twice": rank 1 lists its fc1 weight shard's gradient twice.
+- "shard_left_out": rank 1 leaves its fc1 bias shard's gradient out (a dropped rank term).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ _spec.loader.exec_module(tp_mlp)
 
 MAX_NORM = 0.25  # below the gradients' global norm (about 0.55): clipping really scales them
 BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its twin
-    "replicated_norm_all_reduced": {}, "norm_not_all_reduced": {},
+    "replicated_norm_all_reduced": {}, "norm_not_all_reduced": {}, "bias_counted_on_two_ranks": {},
+    "shard_listed_twice": {}, "shard_left_out": {},
 }
 
 
@@ -62,8 +67,15 @@ def param_is_not_tensor_parallel_duplicate(model: nn.Module, name: str, group: d
 def get_grad_norm(model: nn.Module, group: dist.ProcessGroup, bug: str | None) -> torch.Tensor:
     """The global 2-norm of the gradients over the TP group (Megatron's get_grad_norm_fp32)."""
     grads = [p.grad for n, p in model.named_parameters()
-             if bug == "replicated_norm_all_reduced" or param_is_not_tensor_parallel_duplicate(model, n, group)]
-    grad_norm = torch.nn.utils.get_total_norm(grads)  # BUG: replicated_norm_all_reduced
+             if bug == "replicated_norm_all_reduced" or param_is_not_tensor_parallel_duplicate(model, n, group)
+             or (bug == "bias_counted_on_two_ranks" and n == "fc2.bias")]
+    if bug == "shard_listed_twice" and dist.get_rank(group) == 1:
+        grads.append(model.fc1.weight.grad)
+    if bug == "shard_left_out" and dist.get_rank(group) == 1:
+        grads = [g for g in grads if g is not model.fc1.bias.grad]  # BUG: shard_left_out
+    # the line summing the terms (each gradient's squares) of a rank's piece of the norm: where
+    # a term is counted twice, and where the left-out one is missing (the first wrong value)
+    grad_norm = torch.nn.utils.get_total_norm(grads)  # BUG: replicated_norm_all_reduced BUG: bias_counted_on_two_ranks BUG: shard_listed_twice BUG: shard_left_out
     total_norm = grad_norm ** 2  # BUG: norm_not_all_reduced
     if bug != "norm_not_all_reduced":
         dist.all_reduce(total_norm, group=group)

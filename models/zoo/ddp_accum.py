@@ -11,13 +11,10 @@ Bugs (each a kind public trackers record):
 - "synced_first": the condition is inverted, so the first micro-batch's backward
   synchronises and the later ones accumulate locally, after the all-reduce.
 
-Not in PROGRAM.bugs: "loss_not_divided" (the micro-batch losses not divided by the
-accumulation steps, gradients M times too large; `make_case(config, "loss_not_divided")`
-still builds it). It does not refine, but the report names the line summing the reported
-loss (the output's maker), not the micro-batch loss's: refine.verdict.factor reads the
-factor 1/2 off every output but finds no single (line, constant) edit that repairs them
-(mse_loss's line holds two constant groups, the forward mean's 1/16 and the backward's 1/8;
-which of the two is tried, and why neither is kept, is not established).
+- "loss_not_divided": the micro-batch losses are not divided by the accumulation steps, so
+  the gradients are M times too large; the statement left out, the report names the line
+  making the value it should have divided (the micro-batch loss, mse_loss's line, whose forward
+  mean and backward scale refine.verdict.factor edits at once).
 
 A missing synchronisation is reported at the gradient the ranks then hold unreduced: the
 accumulation of the layers' gradients, which capture attributes to the forward line that
@@ -51,6 +48,8 @@ PROGRAM = Program(
                             "all-reduced (a classic DDP gradient-accumulation mistake)", smoke=True),
         "synced_first": Bug("dp2_m4", "no_sync() on all but the first micro-batch: the later micro-batches' "
                             "gradients accumulate after the all-reduce, unsynchronised"),
+        "loss_not_divided": Bug("dp2_m2", "the micro-batch losses not divided by the accumulation steps: gradients "
+                                "M times too large (the gradient-accumulation loss-scaling bug trackers record)"),
     },
 )
 
@@ -79,7 +78,7 @@ def accumulate(micro: int, bug: str | None = None) -> Callable[..., torch.Tensor
             else:
                 syncs = i == micro - 1
             with contextlib.nullcontext() if syncs or not isinstance(model, DDP) else model.no_sync():
-                loss = F.mse_loss(model(xs), ys)
+                loss = F.mse_loss(model(xs), ys)  # BUG: loss_not_divided (the division after it left out)
                 if bug != "loss_not_divided":
                     loss = loss / micro
                 loss.backward()
@@ -91,7 +90,7 @@ def accumulate(micro: int, bug: str | None = None) -> Callable[..., torch.Tensor
 def make_case(config: str, bug: str | None = None) -> capture.Spec:
     if config not in CONFIGS:
         raise ValueError(f"unknown configuration {config!r} (configurations: {', '.join(CONFIGS)})")
-    if bug is not None and bug not in PROGRAM.bugs and bug != "loss_not_divided":
+    if bug is not None and bug not in PROGRAM.bugs:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(PROGRAM.bugs)})")
     world, micro = CONFIGS[config]
     torch.manual_seed(0)

@@ -60,7 +60,10 @@ STAGES = 2
 
 # every bug makes the clip's global norm wrong before anything else: the localization stops at
 # the sequential clip_grad_norm_ (its total norm, a value fused over every rank's gradients that
-# no rank holds), which names no rank line
+# no rank holds); a term one stage sums into its piece of the norm that it should not
+# (tied_norm_counted_twice) is then found by dropping terms (refine.verdict.terms), and the tied
+# gradient's two pieces never summed (tied_grad_not_reduced) by setting each to their sum
+# (refine.verdict.missing_reduce.held_apart); zero_grad_after_step names none
 _NORM_FIRST = "the report stops at the sequential clip_grad_norm_'s total norm, which no rank holds: "
 
 CONFIGS = {"pp2_gpipe": (ScheduleGPipe, 2), "pp2_1f1b": (Schedule1F1B, 2), "pp2_m4": (Schedule1F1B, 4)}
@@ -71,24 +74,21 @@ PROGRAM = Program(
     smoke="pp2_gpipe",
     bugs={
         "tied_norm_counted_twice": Bug("pp2_1f1b", "the tied embedding's gradient counted in the grad norm on both "
-                                       "the first and the last pipeline stage (Megatron-LM #7227)",
-                                       known_miss=_NORM_FIRST + "the last stage adds its copy's squares to its partial "
-                                       "sum before the all-reduce, and no added reduction repairs that"),
+                                       "the first and the last pipeline stage (Megatron-LM #7227)"),
         "tied_grad_not_reduced": Bug("pp2_gpipe", "the tied embedding's gradient not all-reduced between the first "
-                                     "and last stage (Megatron's _allreduce_word_embedding_grads left out)",
-                                     known_miss=_NORM_FIRST + "the tied gradient's norm is of the sum of the two "
-                                     "stages' partial gradients, which no rank holds"),
+                                     "and last stage (Megatron's _allreduce_word_embedding_grads left out)"),
         "zero_grad_after_step": Bug("pp2_1f1b", "the first stage's zero_grad() placed after the schedule's step "
                                     "instead of before it: its gradients are dropped (the misplaced zero_grad "
                                     "forum threads and trackers record)",
-                                    known_miss=_NORM_FIRST + "the first stage's squared norms are of zeroed gradients"),
+                                    known_miss=_NORM_FIRST + "the first stage's squared norms are of zeroed gradients, "
+                                    "which the trace folds into constants made on the norm's line (grad_norm's "
+                                    "get_total_norm), with no link to the zero_grad line; no single term dropped "
+                                    "repairs the norm (refine.verdict.terms), and no repair of one line's values "
+                                    "reaches both the gradients and the folded norms"),
         "loss_not_rescaled": Bug("pp2_1f1b", "each micro-batch's loss divided by its own token count, not the "
                                  "batch's, with the schedule's gradient scaling off: gradients `micro` times too large "
-                                 "(the loss-scaling kind of gradient-accumulation bug trackers record)",
-                                 known_miss="the reported loss (the sum of the micro-batch losses) is proven wrong "
-                                 "first, so the report names the line summing them (the loss output's maker); "
-                                 "refine.verdict.factor names no single (line, constant) edit, as for ddp_accum's "
-                                 "loss_not_divided"),
+                                 "(the loss-scaling kind of gradient-accumulation bug trackers record); the clipped "
+                                 "gradients are wrong only through the norm's epsilon, the loss is `micro` times too large"),
     },
 )
 

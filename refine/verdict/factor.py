@@ -14,7 +14,9 @@ edit makes every output right is the culprit.
 
 How `c` is read: on those random inputs, as a least-squares ratio between each failing
 output and what its expectation wants, read as a rational with denominator up to 10^6 and
-checked elementwise. When the outputs are no multiple of what the ranks hold but some of
+checked elementwise; a failing output right on the draw to within the counterexample
+search's precision (gradients clipped by a norm `c` times too large, wrong only through the
+norm's epsilon) gives no ratio, though the edit must keep it right. When the outputs are no multiple of what the ranks hold but some of
 their terms are (the relation and the rank output are weighted sums of the same tensors, and
 the terms weighted differently are all off by one `c`: micro-batch means added where the
 sequential mean halves each, next to a term that is right), the checker reads `c` off the
@@ -22,7 +24,9 @@ relations instead (`wrong_factor(factor=...)`).
 
 Candidate lines, besides the literals above: a `full` constant other than 1, a `mean` (1 / its
 element count), a SUM/AVG reduction whose flip multiplies by exactly `c`, or a division by one
-computed number (a loss over a token count: the edit scales its quotient by `c`). Order: lines the
+computed number (a loss over a token count: the edit scales its quotient by `c`); and a line
+making several of these (a loss's forward mean and its backward's scale) with all of them
+edited at once. Order: lines the
 edit turns into a scale by exactly 1 first (a division the program should not do at all: an
 AVG reduction could always absorb the same factor), then by distance in ops from the failing
 outputs. A line with a node the relations prove equal to a sequential tensor is never
@@ -35,12 +39,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
 import torch
 
 from refine.ir.graph import Dist, Graph, Node, case_symbols
+from refine.ir.term import Term
 from refine.ops.interp import (
     EvalError,
     close,
@@ -53,7 +58,8 @@ from refine.ops.interp import (
 )
 from refine.ops.lower import rational
 from refine.ops.registry import Registry
-from refine.verdict.expect import expected_terms
+from refine.verdict.counterexample import significant
+from refine.verdict.expect import expectation_options
 
 MAX_TRIES = 16  # edits evaluated at most (each one evaluation of the rank programs)
 REDUCTIONS = ("all_reduce", "reduce_scatter")
@@ -67,6 +73,9 @@ class WrongFactor:
     factor: Fraction  # the output's sequential value over what the rank outputs hold
     edit: str  # what the counterfactual changed, for the report
     outputs: list[str]  # the failing outputs
+    # failing outputs right on the draw (wrong by less than the counterexample search sees),
+    # which say nothing of the factor
+    right: list[str] = field(default_factory=list)
 
 
 def _rational(v: float) -> Fraction:
@@ -155,14 +164,21 @@ def _edited(n: Node, c: Fraction) -> list[Node]:
 
 def _outputs_ok(seq_vals: Mapping[str, torch.Tensor], seq: Graph, dist: Dist, outs: Mapping[str, torch.Tensor],
                 registry: Registry) -> bool:
+    """Whether every output holds one of its expectation's options (an output without one,
+    any standard placement of the ranks' copies, as the counterexample search compares)."""
     for o in seq.outputs:
-        for t in expected_terms(dist, o.name, set(outs)):
-            try:
-                if not close(eval_term(t, registry, outs), seq_vals[o.ref]):
-                    return False
-            except Exception:  # noqa: BLE001 - an ill-shaped placement is a mismatch
-                return False
+        want = seq_vals[o.ref]
+        options = expectation_options(dist, o.name, want.dim(), set(outs)) or []
+        if not any(_holds(terms, want, outs, registry) for _, terms in options):
+            return False
     return True
+
+
+def _holds(terms: list[Term], want: torch.Tensor, outs: Mapping[str, torch.Tensor], registry: Registry) -> bool:
+    try:
+        return all(close(eval_term(t, registry, outs), want) for t in terms)
+    except Exception:  # noqa: BLE001 - an ill-shaped placement is a mismatch
+        return False
 
 
 def _rank_outputs(graphs: Mapping[int, Graph], vals: Mapping[int, Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -198,24 +214,53 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
         return None
     outs = _rank_outputs(dist.ranks, rank_vals)
     refs = {o.name: o.ref for o in seq.outputs}
-    factors: set[Fraction] = set()
+    right: set[str] = set()
     roots: dict[int, set[str]] = {r: set() for r in dist.ranks}  # failing rank outputs' tensors
+    held: list[set[Fraction]] = []  # per failing output that is a multiple, the factors it may be off by
     for name in failing:
-        terms = expected_terms(dist, name, set(outs))
-        if not terms or name not in refs:
+        want = seq_vals[refs[name]] if name in refs else None
+        options = expectation_options(dist, name, want.dim(), set(outs)) if want is not None else None
+        if not options:
             return None
-        for t in terms:
-            if factor is None:
+        cands: set[Fraction] = set()
+        is_right = False
+        for _, terms in options:
+            for t in terms:
+                for leaf in t.leaves():
+                    local, _, r = leaf.rpartition("@")
+                    roots[int(r)].add(dist.ranks[int(r)].output(local).ref)
+            if factor is not None:
+                continue
+            # an output that is no multiple (a parameter updated with a gradient off by c)
+            # gives no c, and one right on the draw (wrong by less than the comparison sees:
+            # gradients clipped by a norm twice too large but for its epsilon, as the
+            # counterexample search compares) says nothing of c; the edit must still keep
+            # each right
+            cs: set[Fraction] = set()
+            all_right = evaluated = True
+            for t in terms:
                 try:
                     got = eval_term(t, registry, outs)
-                except Exception:  # noqa: BLE001 - not a constant multiple, then
-                    return None
-                c = _ratio(seq_vals[refs[name]], got)
-                if c is not None:  # an output that is no multiple (a parameter updated with a
-                    factors.add(c)  # gradient off by c) gives none; the edit must still repair it
-            for leaf in t.leaves():
-                local, _, r = leaf.rpartition("@")
-                roots[int(r)].add(dist.ranks[int(r)].output(local).ref)
+                except Exception:  # noqa: BLE001 - an ill-shaped placement: not this option
+                    evaluated = False
+                    break
+                if significant(got, want)[0]:
+                    all_right = False
+                    if (c := _ratio(want, got)) is not None:
+                        cs.add(c)
+            if not evaluated:
+                continue
+            if all_right:
+                is_right = True
+            elif len(cs) > 1 and len(options) == 1:
+                return None  # the terms of its expectation off by different factors
+            elif len(cs) == 1:  # (without an expectation: each standard placement it may be)
+                cands |= cs
+        if is_right:
+            right.add(name)
+        elif cands:
+            held.append(cands)
+    factors = set.intersection(*held) if held else set()
     if factor is not None:
         factors = {factor}
     if len(factors) != 1 or Fraction(1) in factors:
@@ -239,6 +284,15 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
                 groups.setdefault((n.source, str(f)), []).append((r, n))
             elif _normalizer(n, g):
                 groups.setdefault((n.source, "a computed divisor"), []).append((r, n))
+    # a line making several constants (a loss's forward mean and its backward's scale): the
+    # line's whole scaling off by c is one more candidate, all its constants edited at once
+    lines: dict[str, list[tuple[str, str]]] = {}
+    for key in groups:
+        if not key[1].startswith(REDUCTIONS):
+            lines.setdefault(key[0], []).append(key)
+    for source, keys in lines.items():
+        if len(keys) > 1:
+            groups[(source, "all its constants")] = [m for k in keys for m in groups[k]]
     ranked = []
     for key, members in groups.items():
         near = [(dist_of[(r, n.name)], r, n.name) for r, n in members if (r, n.name) in dist_of]
@@ -253,7 +307,7 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
     ranked.sort(key=lambda x: (x[0], x[1], x[2]))
     tries = 0
     again = _SecondDraw(seq, dist, registry, seed + 1)
-    for _, (_, r, name), (source, _), members in ranked:
+    for _, (_, r, name), (source, label), members in ranked:
         if tries == MAX_TRIES:
             break
         if any(proven(q, n.name) for q, n in members):
@@ -273,12 +327,14 @@ def wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[str],
             if node.op in REDUCTIONS:
                 desc = f"{node.op} with {'SUM' if node.attrs['reduce_op'] == 'avg' else 'AVG'} instead of " \
                        f"{node.attrs['reduce_op'].upper()}"
+            elif label == "all its constants":
+                desc = f"each constant factor of the line times {c}"
             elif (f := _factor(node, dist.ranks[r])) is not None:
                 desc = f"its factor {f} times {c} = {f * c}"
             else:  # a computed divisor
                 desc = f"its quotient by {node.args[1]} times {c}: the divisor is {c} times what it should be"
             return WrongFactor(r, name, source, c, f"{desc} at its {len(members)} node(s) on the ranks",
-                               sorted(failing))
+                               sorted(failing), sorted(right))
     return None
 
 

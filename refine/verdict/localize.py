@@ -20,7 +20,9 @@ report's. The culprit, among the ancestors of a failing output, in this order:
    2 too: a scale is a clean relation, so a wrong factor is carried along until an op where
    the scaled pieces no longer combine, far from where it entered); and when the node of
    rule 2 is over a fused value no rank holds (a global norm), the missing-reduction search
-   of `refine.verdict.missing_reduce`. Either names the rank line at fault as `source`,
+   of `refine.verdict.missing_reduce`, then `refine.verdict.terms`'s search for a term one
+   rank sums into its piece of a reduction over ranks that it should not (a tied weight's
+   squares counted on two pipeline stages). Each names the rank line at fault as `source`,
    `rank_node`, `rank_source`, and keeps the sequential node's own line as `seq_source`.
 
 Fused nodes (`Op.fuse`) and carried bool/int nodes (a mask every rank computes only for its
@@ -108,6 +110,10 @@ def localize(seq: Graph, core: Graph, results: list[OutputResult], inf: Inferenc
             # over a fused value no rank holds (a global norm): a missing reduction shows
             # only in the values, so try adding one (refine.verdict.missing_reduce)
             missing = _missing_reduce(seq, dist, registry, failing)
+            if missing is None:  # or pieces made on lines of their own, never summed
+                missing = _held_apart(seq, dist, registry, failing, node, inf)
+            if missing is None:  # or one rank sums a term it should not (refine.verdict.terms)
+                missing = _wrong_term(seq, dist, registry, failing)
             if missing is not None:
                 rank_node, rank_source, why = missing
                 reason += f"; {why}"
@@ -197,6 +203,65 @@ def _missing_reduce(seq: Graph, dist: Dist, registry: Registry,
     return made, found.source, what
 
 
+def _held_apart(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], node: Node,
+                inf: Inference) -> tuple[str, str, str] | None:
+    """`refine.verdict.missing_reduce.held_apart` for each sum of one piece per rank in the
+    node's input relations (the ranks' pieces of a tensor the sequence holds whole): (the
+    first rank's piece as the checker names it, its line, what the edit showed), or None."""
+    # runs rank programs: imports torch, only here
+    from refine.verdict.missing_reduce import held_apart
+
+    tried: list[dict[int, str]] = []
+    for a in node.tensor_args():
+        for t in _subterms(inf.relations[a]):
+            if t.op != "Sum" or not all(x.op == "D" for x in t.args):
+                continue
+            pieces: dict[int, str] = {}
+            for x in t.args:
+                base, _, r = x.attrs[0].rpartition("@")
+                pieces.setdefault(int(r), base)
+            if len(pieces) != len(t.args) or len(pieces) < 2 or pieces in tried:
+                continue  # one piece per rank only
+            tried.append(pieces)
+            found = held_apart(seq, dist, registry, [r.name for r in failing], pieces)
+            if found is None:
+                continue
+            first = next((r for r in sorted(found.sources) if found.sources[r]), None)
+            if first is None:
+                return None
+            held = ", ".join(f"{tensor_name(r, x)}" + (f" at {found.sources[r]}" if found.sources[r] else "")
+                             for r, x in sorted(found.pieces.items()))
+            what = (f"the ranks hold this value in pieces ({held}) that no collective sums: with each piece set to "
+                    f"their sum every output is right on random inputs, so a SUM reduction over ranks "
+                    f"{sorted(found.pieces)} is missing after them")
+            return tensor_name(first, found.pieces[first]), found.sources[first], what  # type: ignore[return-value]
+    return None
+
+
+def _wrong_term(seq: Graph, dist: Dist, registry: Registry,
+                failing: list[OutputResult]) -> tuple[str, str, str] | None:
+    """`refine.verdict.terms.wrong_term` for the failing outputs: (the rank `Sum` node as the
+    checker names it, its source line, what the edit showed), or None."""
+    from refine.verdict.terms import wrong_term  # runs rank programs: imports torch, only here
+
+    found = wrong_term(seq, dist, registry, [r.name for r in failing])
+    if found is None:
+        return None
+    made = tensor_name(found.rank, found.sum)
+    term = f"{found.term}@{found.rank}" + (f" (made at {found.term_source})" if found.term_source else "")
+    if found.twin is None:
+        twice = ""
+    elif found.twin == (found.rank, found.term):
+        twice = "; the sum takes that term twice: it is counted twice"
+    else:
+        twice = (f"; {found.twin[1]}@{found.twin[0]}, summed too, has the same value and the programs without it "
+                 "are right as well: the value is counted twice")
+    what = (f"rank {found.rank} sums the term {term} into its piece of the reduction over ranks "
+            f"{found.reduction}@{found.rank}" + (f" at {found.reduction_source}" if found.reduction_source else "")
+            + f"; the programs without that term make every output right on random inputs{twice}")
+    return made, found.source, what
+
+
 def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[OutputResult], inf: Inference,
                   prog: DistProgram) -> tuple[str, str, str, str] | None:
     """`refine.verdict.factor.wrong_factor` for the failing outputs: (the rank node as the
@@ -227,6 +292,9 @@ def _wrong_factor(seq: Graph, dist: Dist, registry: Registry, failing: list[Outp
             f"every output right on random inputs, while {held} {found.factor} times what the ranks hold")
     lead = ("the terms that every failing output and the rank outputs weight differently are all off by one "
             "constant factor") if terms else "every failing output is off by one constant factor"
+    if found.right:
+        lead += (f" or, as {', '.join(found.right[:3])}{' ...' if len(found.right) > 3 else ''}, right on random "
+                 "inputs to within the counterexample search's precision")
     return made, found.source, what, lead
 
 

@@ -7,6 +7,11 @@ the rank programs instead: after the nodes one source line makes (on every rank)
 a SUM all-reduce over the ranks of one mesh axis (or all ranks), and evaluates the rank
 programs on random inputs consistent with the input relations. The line nearest the failing
 outputs whose edit makes every output right is where the reduction is missing.
+
+`held_apart` takes the pieces from the relations instead: a sequential value the relations
+sum from nodes the ranks make on lines of their own (a tied embedding's gradient, from the
+lookup's backward on the first pipeline stage and the head's on the last), each piece set to
+their sum in a counterfactual run.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from itertools import product
 from refine.ir.graph import Dist, Graph, Node, case_symbols
 from refine.ops.interp import (
     EvalError,
+    eval_budget,
+    eval_elements,
     eval_graph,
     eval_ranks,
     instantiate,
     random_inputs,
     valuation,
 )
+from refine.ops.lower import lower
 from refine.ops.registry import Registry
 from refine.verdict.factor import _outputs_ok, _rank_outputs, distances
 
@@ -119,3 +127,50 @@ def missing_reduce(seq: Graph, dist: Dist, registry: Registry, failing: list[str
             grp = next(g for g in axis if r in g)
             return MissingReduce(r, n.name, src, grp)
     return None
+
+
+@dataclass
+class HeldApart:
+    """A value the ranks hold in pieces, made on lines of their own, that no collective sums."""
+
+    pieces: dict[int, str]  # rank -> the core node holding its piece
+    sources: dict[int, str | None]  # rank -> that node's line
+
+
+def held_apart(seq: Graph, dist: Dist, registry: Registry, failing: list[str], pieces: dict[int, str],
+               seed: int = 0) -> HeldApart | None:
+    """Whether the rank programs, with each of `pieces` (rank -> a core node of that rank, one
+    tensor's pieces: a sequential relation sums them) holding the sum of them all, make every
+    output right on two draws: the ranks make the pieces, on lines that need not be the same
+    (a tied embedding's gradient: the lookup's backward on the first pipeline stage, the
+    head's on the last) and never sum them. The sum is set as each piece's value (an
+    all-reduce right after each, with no program order to match). None when not."""
+    if len(pieces) < 2 or not set(pieces) <= set(dist.ranks):
+        return None
+    try:
+        symbols = case_symbols(seq, dist)
+        if symbols:
+            seq, dist = instantiate(seq, dist, valuation(symbols, seed))
+        if eval_elements(seq, dist) > eval_budget():
+            return None
+        cores = {r: lower(g, registry)[0] for r, g in sorted(dist.ranks.items())}
+        for s in (seed, seed + 1):  # a second, independent draw the edit must repair too
+            seq_in, rank_in = random_inputs(seq, dist, s, registry)
+            seq_vals = eval_graph(seq, registry, seq_in)
+            vals = eval_ranks(cores, registry, rank_in)
+            if s == seed and _outputs_ok(seq_vals, seq, dist, _rank_outputs(cores, vals), registry):
+                return None  # right as it is (an UNPROVEN program): nothing to repair
+            got = [vals[r][x] for r, x in pieces.items()]
+            if len({tuple(v.shape) for v in got}) != 1 or not all(v.is_floating_point() for v in got):
+                return None
+            total = sum(got[1:], got[0])
+            fixed = eval_ranks(cores, registry, rank_in, override={(r, x): total for r, x in pieces.items()})
+            if not _outputs_ok(seq_vals, seq, dist, _rank_outputs(cores, fixed), registry):
+                return None
+    except (EvalError, RuntimeError, ValueError, KeyError):
+        return None
+    sources = {}
+    for r, x in pieces.items():
+        n = cores[r].index().get(x)
+        sources[r] = n.source if isinstance(n, Node) else None
+    return HeldApart(dict(pieces), sources)

@@ -82,7 +82,8 @@ CANNOT: dict[tuple[str, str], str] = {
 # rest (one ring-attention twin, cp_attention:no_rescale, among them)
 SLOW: set[tuple[str, str]] = {
     ("accum_mlp", "loss_divided_twice"), ("clip_mlp", "norm_not_all_reduced"),
-    ("clip_norm", "replicated_norm_all_reduced"), ("dtensor_mlp", "partial_output_loss"),
+    ("clip_norm", "replicated_norm_all_reduced"), ("clip_norm", "bias_counted_on_two_ranks"),
+    ("clip_norm", "shard_left_out"), ("dtensor_mlp", "partial_output_loss"),
     ("dtensor_mlp", "grad_placements_partial"), ("dtensor_mlp", "local_loss"), ("gqa_tp", "kv_heads_tiled"),
     ("gqa_tp", "wrong_kv_head"), ("hf_llama", "o_proj_partial"), ("megatron_mlp", "ln_grad_not_all_reduced"),
     ("megatron_mlp", "bias_before_all_reduce"), ("moe_ep", "router_grad_not_summed"),

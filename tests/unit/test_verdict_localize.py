@@ -251,3 +251,95 @@ def test_a_loss_over_the_wrong_count_is_found_at_its_division(tmp_path: Path) ->
     found = wrong_factor(seq, load_dist(paths[1], REG, seq), REG, ["loss"])
     assert found is not None and (found.source, found.node, found.factor) == ("f.py:5", "m", Fraction(1, 2)), found
     assert found.edit.startswith("its quotient by k times 1/2"), found.edit
+
+
+def _mean_and_ratio(tmp: Path, factor: float) -> tuple[object, object]:
+    """The mean of x (4 x 2, rows on 2 ranks: each rank means its rows, f.py:1 scales by
+    `factor`, 0.25 right, then an AVG all-reduce, f.py:9) and a second output nearly invariant
+    to the mean's scale, q = m / (m + 1e-9) (f.py:10): a mean twice too large leaves q wrong by
+    far less than a counterexample can see, as gradients clipped by a norm twice too large but
+    for its epsilon."""
+    import json
+
+    def nodes(mean: list[dict], m: str) -> list[dict]:
+        return [*mean, {"name": "d", "op": "add", "args": [m, 1e-9], "shape": [], "source": "f.py:10"},
+                {"name": "q", "op": "div", "args": [m, "d"], "shape": [], "source": "f.py:10"}]
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [4, 2], "role": "data"}],
+        "nodes": nodes([{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": []},
+                        {"name": "m", "op": "mul", "args": ["s", 0.125], "shape": []}], "m"),
+        "outputs": [{"name": "loss", "ref": "m", "role": "loss"}, {"name": "ratio", "ref": "q", "role": "other"}]}}
+    rank = {"inputs": [{"name": "x", "shape": [2, 2], "role": "data"}],
+            "nodes": nodes([{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:1"},
+                            {"name": "m", "op": "mul", "args": ["s", factor], "shape": [], "source": "f.py:1"},
+                            {"name": "r", "op": "all_reduce", "args": ["m"], "shape": [], "source": "f.py:9",
+                             "attrs": {"reduce_op": "avg", "group": [0, 1]}}], "r"),
+            "outputs": [{"name": "loss", "ref": "r", "role": "loss"}, {"name": "ratio", "ref": "q", "role": "other"}]}
+    dist = {"format": "refine-graph", "version": 1, "kind": "distributed", "mesh": {"axes": [{"name": "dp", "size": 2}]},
+            "ranks": [{"rank": r, "graph": rank} for r in (0, 1)],
+            "relations": [{"from": "x", "placements": ["Shard(0)"]}],
+            "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]},
+                             {"output": "ratio", "local": "ratio", "placements": ["Replicate"]}]}
+    (tmp / "seq.json").write_text(json.dumps(seq))
+    (tmp / "dist.json").write_text(json.dumps(dist))
+    s = load_seq(tmp / "seq.json", REG)
+    return s, load_dist(tmp / "dist.json", REG, s)
+
+
+def test_an_output_right_on_the_draw_says_nothing_of_the_factor(tmp_path: Path) -> None:
+    """The ratio output, wrong over the reals but right on random inputs to within the
+    counterexample's precision, is no evidence of the factor (its measured ratio is 1 up to
+    1e-10): the loss's 1/2 is, and the edit of f.py:1 keeps the ratio right too."""
+    from refine.verdict.factor import wrong_factor
+
+    seq, dist = _mean_and_ratio(tmp_path, 0.5)
+    found = wrong_factor(seq, dist, REG, ["loss", "ratio"])
+    assert found is not None and (found.source, found.factor) == ("f.py:1", Fraction(1, 2)), found
+    assert found.right == ["ratio"], found
+    # only outputs right on the draw: no factor to read, nothing is blamed
+    assert wrong_factor(seq, dist, REG, ["ratio"]) is None
+
+
+def test_a_line_making_two_constants_is_edited_whole(tmp_path: Path) -> None:
+    """One line (f.py:1) makes the loss's mean and a gradient's scale, two constants both twice
+    what they should be (a micro-batch loss left undivided: mse_loss's forward mean and its
+    backward's scale): neither edited alone repairs both outputs, the line's whole scaling does."""
+    import json
+
+    from refine.verdict.factor import wrong_factor
+
+    def program(mean: float, scale: float) -> dict:
+        return {"inputs": [{"name": "x", "shape": [2, 2], "role": "data"}],
+                "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": [], "source": "f.py:2"},
+                          {"name": "m", "op": "mul", "args": ["s", mean], "shape": [], "source": "f.py:1"},
+                          {"name": "r", "op": "all_reduce", "args": ["m"], "shape": [], "source": "f.py:9",
+                           "attrs": {"reduce_op": "avg", "group": [0, 1]}},
+                          {"name": "g", "op": "mul", "args": ["x", scale], "shape": [2, 2], "source": "f.py:1"}],
+                "outputs": [{"name": "loss", "ref": "r", "role": "loss"}, {"name": "grad", "ref": "g", "role": "other"}]}
+
+    seq = {"format": "refine-graph", "version": 1, "kind": "sequential", "graph": {
+        "inputs": [{"name": "x", "shape": [4, 2], "role": "data"}],
+        "nodes": [{"name": "s", "op": "sum", "args": ["x"], "attrs": {"dim": []}, "shape": []},
+                  {"name": "m", "op": "mul", "args": ["s", 0.125], "shape": []},
+                  {"name": "g", "op": "mul", "args": ["x", 0.75], "shape": [4, 2]}],
+        "outputs": [{"name": "loss", "ref": "m", "role": "loss"}, {"name": "grad", "ref": "g", "role": "other"}]}}
+
+    def dist(mean: float, scale: float) -> dict:
+        return {"format": "refine-graph", "version": 1, "kind": "distributed",
+                "mesh": {"axes": [{"name": "dp", "size": 2}]},
+                "ranks": [{"rank": r, "graph": program(mean, scale)} for r in (0, 1)],
+                "relations": [{"from": "x", "placements": ["Shard(0)"]}],
+                "expectations": [{"output": "loss", "local": "loss", "placements": ["Replicate"]},
+                                 {"output": "grad", "local": "grad", "placements": ["Shard(0)"]}]}
+
+    (tmp_path / "seq.json").write_text(json.dumps(seq))
+    (tmp_path / "dist.json").write_text(json.dumps(dist(0.25, 0.75)))
+    assert check_files(tmp_path / "seq.json", tmp_path / "dist.json").refines
+    (tmp_path / "dist.json").write_text(json.dumps(dist(0.5, 1.5)))
+    s = load_seq(tmp_path / "seq.json", REG)
+    found = wrong_factor(s, load_dist(tmp_path / "dist.json", REG, s), REG, ["loss", "grad"])
+    assert found is not None and (found.source, found.factor) == ("f.py:1", Fraction(1, 2)), found
+    assert found.edit.startswith("each constant factor of the line times 1/2"), found.edit
+    report = check_files(tmp_path / "seq.json", tmp_path / "dist.json")
+    assert not report.refines and report.culprit is not None and report.culprit.rank_source == "f.py:1", report
