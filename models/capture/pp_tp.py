@@ -21,6 +21,10 @@ stage's ranks feeding `x`, the last stage's computing the loss on `y`. After the
 replicated parameters' gradients are averaged over the stage's tensor-parallel group (equal
 copies stay equal; Megatron does it for sequence-parallel norms).
 
+`make_case(bias_split=True)`: fc2's bias split over the partial sums as DTensor's
+RowwiseParallel does it (each rank adds bias / tp before the all-reduce; its gradient, a part
+on each rank, summed over the group).
+
 `make_case(bug=...)` builds the twins:
 - "stage1_missing_all_reduce": the last stage's row-parallel fc2 skips its forward
   all-reduce, so its output is one tensor-parallel rank's partial sum;
@@ -98,7 +102,8 @@ class TPBlock(nn.Module):
     """One tensor-parallel rank's part of a Block: the LayerNorm replicated, fc1 column
     parallel, fc2 row parallel (its bias added once, after the all-reduce)."""
 
-    def __init__(self, full: Block, tp_rank: int, tp: int, group: dist.ProcessGroup, reduce: bool) -> None:
+    def __init__(self, full: Block, tp_rank: int, tp: int, group: dist.ProcessGroup, reduce: bool,
+                 bias_split: bool = False) -> None:
         super().__init__()
         self.ln = nn.LayerNorm(H)
         self.ln.load_state_dict(full.ln.state_dict())
@@ -117,10 +122,13 @@ class TPBlock(nn.Module):
         capture.shard(self.fc1.bias, 0, "tp")
         capture.shard(self.fc2.weight, 1, "tp")
         capture.replicate(self.fc2.bias, "tp")
-        self.group, self.reduce = group, reduce
+        self.group, self.reduce, self.tp, self.bias_split = group, reduce, tp, bias_split
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         a = F.gelu(self.fc1(CopyToTP.apply(self.ln(h), self.group)))
+        if self.bias_split:  # DTensor's RowwiseParallel: each rank adds bias / tp to its partial sum
+            y = F.linear(a, self.fc2.weight, self.fc2.bias / self.tp)
+            return h + ReduceFromTP.apply(y, self.group)
         y = F.linear(a, self.fc2.weight)
         if self.reduce:
             y = ReduceFromTP.apply(y, self.group)
@@ -137,7 +145,8 @@ def train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
     return loss
 
 
-def pipeline_step(schedule: object, first: bool, last: bool, sync_group: dist.ProcessGroup) -> object:
+def pipeline_step(schedule: object, first: bool, last: bool, sync_group: dist.ProcessGroup, bias_split: bool
+                  ) -> object:
     def step(stage: nn.Module, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor | None:
         stage.zero_grad()
         losses: list[torch.Tensor] = []
@@ -149,12 +158,14 @@ def pipeline_step(schedule: object, first: bool, last: bool, sync_group: dist.Pr
             schedule.step()  # type: ignore[attr-defined]
         for name, p in stage.named_parameters():  # the tensor-parallel replicas' gradients, kept equal
             if name.endswith(("ln.weight", "ln.bias", "fc2.bias")):
-                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=sync_group)  # BUG: grads_averaged_over_pp
+                # a bias split over the partial sums gets a part of its gradient on each rank: summed
+                op = dist.ReduceOp.SUM if bias_split and name.endswith("fc2.bias") else dist.ReduceOp.AVG
+                dist.all_reduce(p.grad, op=op, group=sync_group)  # BUG: grads_averaged_over_pp
         return torch.stack(losses).mean() if last else None
     return step
 
 
-def make_case(stages: int = 2, tp: int = 2, schedule: str = "gpipe", micro: int = 2,
+def make_case(stages: int = 2, tp: int = 2, schedule: str = "gpipe", micro: int = 2, bias_split: bool = False,
               bug: str | None = None) -> capture.Spec:
     if bug is not None and bug not in BUGS:
         raise ValueError(f"unknown bug {bug!r} (bugs: {', '.join(BUGS)})")
@@ -169,7 +180,7 @@ def make_case(stages: int = 2, tp: int = 2, schedule: str = "gpipe", micro: int 
         pp_groups = [dist.new_group([k * tp + j for k in range(stages)]) for j in range(tp)]
         first, last = s == 0, s == stages - 1
         reduce = not (bug == "stage1_missing_all_reduce" and s == 1)
-        held = Stack({str(s): TPBlock(seq.blocks[str(s)], t, tp, tp_groups[s], reduce)})  # type: ignore[arg-type]
+        held = Stack({str(s): TPBlock(seq.blocks[str(s)], t, tp, tp_groups[s], reduce, bias_split)})  # type: ignore[arg-type]
         mb = (B // micro, H)
         stage = PipelineStage(held, s, stages, torch.device("cpu"), group=pp_groups[t],
                               input_args=torch.empty(mb, requires_grad=s > 0),
@@ -178,7 +189,7 @@ def make_case(stages: int = 2, tp: int = 2, schedule: str = "gpipe", micro: int 
         sync = pp_groups[t] if bug == "grads_averaged_over_pp" else tp_groups[s]
         inputs = {"x": capture.replicate(x.clone(), "tp")} if first else \
             {"y": capture.replicate(y.clone(), "tp")} if last else {}
-        return capture.Step(held, pipeline_step(sched, first, last, sync), inputs)
+        return capture.Step(held, pipeline_step(sched, first, last, sync, bias_split), inputs)
 
     return capture.Spec(sequential=capture.Step(seq, train_step, {"x": x, "y": y}), rank=rank,
                         world_size=stages * tp, mesh={"pp": stages, "tp": tp},
