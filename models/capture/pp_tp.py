@@ -129,10 +129,10 @@ class TPBlock(nn.Module):
         if self.bias_split:  # DTensor's RowwiseParallel: each rank adds bias / tp to its partial sum
             y = F.linear(a, self.fc2.weight, self.fc2.bias / self.tp)
             return h + ReduceFromTP.apply(y, self.group)
-        y = F.linear(a, self.fc2.weight)
+        y = F.linear(a, self.fc2.weight)  # BUG: stage1_missing_all_reduce (the partial sum it leaves unreduced)
         if self.reduce:
             y = ReduceFromTP.apply(y, self.group)
-        return h + y + self.fc2.bias  # BUG: stage1_missing_all_reduce
+        return h + y + self.fc2.bias
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -90,3 +90,15 @@ def test_stage1_missing_all_reduce_does_not_refine() -> None:
     report = case.check()
     assert report.verdict == "DOES NOT REFINE", report
     assert failing(report) == wrong
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="the report names the schedule's send (pp_tp.py, `schedule.step(x)`): "
+                   "refine.verdict.localize's received-tensor rule (_wrong_message) fires because the loss's "
+                   "relation takes rank 2's partial residual while rank 3 combines its own partial with the copy it "
+                   "received from rank 1; the partial-sum rule (_misplaced) looks only at relations that are a Sum, "
+                   "here a cat over the micro-batches of Sums")
+def test_stage1_missing_all_reduce_is_named() -> None:
+    report = capture(PPTP.make_case(bug="stage1_missing_all_reduce")).check()
+    assert report.culprit is not None
+    assert report.culprit.rank_source == line_of(MODELS / "pp_tp.py", "# BUG: stage1_missing_all_reduce"), report
