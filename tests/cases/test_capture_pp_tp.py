@@ -102,3 +102,15 @@ def test_stage1_missing_all_reduce_is_named() -> None:
     report = capture(PPTP.make_case(bug="stage1_missing_all_reduce")).check()
     assert report.culprit is not None
     assert report.culprit.rank_source == line_of(MODELS / "pp_tp.py", "# BUG: stage1_missing_all_reduce"), report
+
+
+def test_a_stage_group_holding_its_shards_in_the_wrong_order_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relation within a stage's group is checked against the values: tensor-parallel rank
+    t holding the other rank's rows of fc1 contradicts `shard(w, 0, "tp")`."""
+    class Swapped(PPTP.TPBlock):  # type: ignore[name-defined,misc]
+        def __init__(self, full: object, tp_rank: int, tp: int, *args: object) -> None:
+            super().__init__(full, tp - 1 - tp_rank, tp, *args)
+
+    monkeypatch.setattr(PPTP, "TPBlock", Swapped)
+    with pytest.raises(CaptureError, match=r"the values contradict the relation of 'blocks\.0\.fc1\.(weight|bias)'"):
+        capture(PPTP.make_case())
