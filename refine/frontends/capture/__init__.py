@@ -63,9 +63,14 @@ from. So `torch.distributed.pipelining`'s GPipe,
 their micro-batch's input and output: dynamic shape inference exchanges pickled objects, not
 covered).
 
-Not covered: pipeline stages that are also tensor parallel (a tensor only some ranks hold
-must be held whole). `isend`/`irecv` count as
-blocking where issued (their waits are not traced).
+Pipeline stages that are also tensor parallel: a tensor only some ranks hold (one stage's
+tensor-parallel group, or the first and last stages' groups of a tied weight) is annotated as
+usual (`shard(w, 0, axis="tp")`, `replicate`, `partial`, or a DTensor's placements) and related
+within each group of its holders (refine.frontends.capture.annotate.submesh_layouts: Shard and
+Partial(sum) only along axes the holders span, a copy per group and per Replicate coordinate);
+its gradient is expected alike, and ranks outside the holders hold no part of it. Unannotated,
+such a tensor is taken as held whole by each holder (models/capture/pp_tp.py). `isend`/`irecv`
+count as blocking where issued (their waits are not traced).
 
 Framework glue: refine.frontends.capture.ddp (torch's DistributedDataParallel, applied by
 itself to a DDP-wrapped model), refine.frontends.capture.fsdp (torch's FSDP2 `fully_shard`,

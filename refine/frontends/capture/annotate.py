@@ -236,6 +236,64 @@ def padded_layouts(name: str, ann: Annotation, mesh: dict[str, int], what: str) 
     return out
 
 
+def _coords(rank: int, sizes: list[int]) -> tuple[int, ...]:
+    out, rest = [], rank
+    for n in reversed(sizes):
+        out.insert(0, rest % n)
+        rest //= n
+    return tuple(out)
+
+
+def _flat_rank(coords: tuple[int, ...] | list[int], sizes: list[int]) -> int:
+    r = 0
+    for c, n in zip(coords, sizes, strict=True):
+        r = r * n + c
+    return r
+
+
+def submesh_layouts(name: str, placements: list[str], mesh: dict[str, int], holders: list[int], what: str
+                    ) -> list[str]:
+    """The relation of `name`, held by `holders` only (a pipeline stage's tensor-parallel group,
+    or the first and last stages' groups of a tied weight), placed by `placements` (one per mesh
+    axis) within each group: one layout per copy. An axis is *spanned* when the holders are
+    whole lines along it (with every rank they hold, they hold all its neighbours along it);
+    the others (the pipeline axis) only select the groups, so the tensor must be Replicate on
+    them: each group holds it whole in its own pieces. Within a group, Shard axes concatenate
+    and Partial(sum) axes add (the first mesh axis outermost, DTensor's order), and each
+    coordinate of a Replicate axis is another copy. Ranks outside the holders have no part in
+    any layout: every copy must hold the sequential tensor."""
+    axes, sizes = list(mesh), list(mesh.values())
+    held = set(holders)
+    coords = {r: _coords(r, sizes) for r in holders}
+    spanned = [all(_flat_rank(c[:i] + (k,) + c[i + 1:], sizes) in held for c in coords.values() for k in range(n))
+               for i, n in enumerate(sizes)]
+    for i, a in enumerate(axes):
+        p = placements[i]
+        if not spanned[i] and p != "Replicate":
+            raise CaptureError(f"{what} is placed {p} on mesh axis {a!r}, but only ranks {sorted(held)} hold it, "
+                               f"not whole lines along {a!r}: a tensor some ranks hold can be split only along the axes "
+                               "its holders span (a stage's tensor-parallel axis), and is whole across the others")
+        if p == "Partial(max)":
+            raise CaptureError(f"{what} is placed Partial(max) and held by some ranks only: refine relates a subset's "
+                               "Shard, Replicate and Partial(sum) pieces")
+    split = [i for i in range(len(axes)) if spanned[i] and placements[i] != "Replicate"]
+    groups = sorted({tuple(c[i] if not spanned[i] or placements[i] == "Replicate" else 0 for i in range(len(axes)))
+                     for c in coords.values()})
+
+    def build(j: int, c: tuple[int, ...]) -> str:
+        if j == len(split):
+            return f"{name}@{_flat_rank(c, sizes)}"
+        i = split[j]
+        parts = [build(j + 1, c[:i] + (k,) + c[i + 1:]) for k in range(sizes[i])]
+        if len(parts) == 1:
+            return parts[0]
+        p = placements[i]
+        return f"sum({', '.join(parts)})" if p.startswith("Partial") else \
+            f"cat({', '.join(parts)}, dim={int(p[len('Shard('):-1])})"
+
+    return [build(0, g) for g in groups]
+
+
 def flat_layout(name: str, part: tuple[str, int, tuple[int, ...]], ranks: list[int]) -> str:
     """The relation of one part of a flat shard `name`, held by `ranks` in shard order."""
     _, offset, shape = part

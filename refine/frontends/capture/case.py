@@ -54,6 +54,7 @@ from refine.frontends.capture.annotate import (
     flat_layout,
     padded_layouts,
     placements_on,
+    submesh_layouts,
     watching,
 )
 from refine.frontends.capture.convert import Converted, convert, updated_name
@@ -73,6 +74,10 @@ from refine.ir.graph import Dist, Graph
 from refine.ops.interp import close, eval_graph, max_err
 from refine.ops.registry import Registry, load_registry
 from refine.verdict.report import Report
+
+# a tensor only some ranks hold: those ranks, and its placements within their groups (None:
+# an explicit layout), refine.frontends.capture.annotate.submesh_layouts
+Held = tuple[list[int], list[str] | None]
 
 
 @dataclass
@@ -347,11 +352,12 @@ def _values(traced: Traced, conv: Converted) -> dict[str, torch.Tensor]:
 
 def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
                ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, list[str] | None]], list[str],
-                          dict[str, list[int]], dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]],
+                          dict[str, Held], dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]],
                           dict[str, list[str]]]:
     """A relation per sequential input; `placed`: input -> (rank input, placements or None
-    for a layout); `held`: inputs that only some ranks hold, whole (pipeline stages) -> those
-    ranks; `flat_grads`: inputs that are parts of a flat shard -> the part and its ranks;
+    for a layout); `held`: inputs that only some ranks hold (pipeline stages, and their
+    tensor-parallel groups) -> those ranks and the placements within their groups (None for an
+    explicit layout); `flat_grads`: inputs that are parts of a flat shard -> the part and its ranks;
     `grad_layouts`: inputs held as padded shards -> their gradient's layouts.
     Replicate guesses are left out of the document: the checker makes the same guess and
     flags it."""
@@ -359,7 +365,7 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
     relations: list[dict[str, Any]] = []
     placed: dict[str, tuple[str, list[str] | None]] = {}
     guesses: list[str] = []
-    held: dict[str, list[int]] = {}
+    held: dict[str, Held] = {}
     flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]] = {}  # input -> its flat part, ranks
     grad_layouts: dict[str, list[str]] = {}
     rank_inputs = {r: {i["name"]: i for i in rk.converted.graph["inputs"]} for r, rk in ranks.items()}
@@ -374,19 +380,26 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
             placed[s] = (s, ["Replicate"] * len(axes))
             continue
         local, holders = _local_name(s, ranks, rank_inputs)
-        if len(holders) < len(ranks):  # a pipeline stage's parameter or data: held whole where used
+        if len(holders) < len(ranks):  # a pipeline stage's parameter or data: held by its ranks only
             anns = {r: ranks[r].annotations.get(local) for r in holders}
-            if any(a is not None for a in anns.values()):
-                raise CaptureError(f"{local!r} is annotated but only ranks {holders} hold it: refine takes a tensor "
-                                   "that only some ranks hold as held whole by each of them, unannotated")
-            bad = [r for r in holders if tuple(rank_inputs[r][local]["shape"]) != tuple(inp["shape"])]
-            if bad:
-                raise CaptureError(f"{local!r} is held by ranks {holders} only, and rank {bad[0]} holds shape "
-                                   f"{rank_inputs[bad[0]][local]['shape']}, not the sequential {list(inp['shape'])}: "
-                                   "a tensor only some ranks hold must be held whole")
-            relations.append({"from": s, "layout": [f"{local}@{r}" for r in holders], "guessed": True})
-            placed[s], held[s] = (local, None), holders
-            guesses.append(f"{s}: held whole by ranks {holders} (same name and shape; the other ranks do not use it)")
+            if all(a is None for a in anns.values()):
+                bad = [r for r in holders if tuple(rank_inputs[r][local]["shape"]) != tuple(inp["shape"])]
+                if bad:
+                    raise CaptureError(f"{local!r} is held by ranks {holders} only, and rank {bad[0]} holds shape "
+                                       f"{rank_inputs[bad[0]][local]['shape']}, not the sequential "
+                                       f"{list(inp['shape'])}: annotate how its holders split it "
+                                       "(refine.capture.shard(t, dim, axis=...))")
+                relations.append({"from": s, "layout": [f"{local}@{r}" for r in holders], "guessed": True})
+                placed[s], held[s] = (local, None), (holders, ["Replicate"] * len(axes))
+                guesses.append(f"{s}: held whole by ranks {holders} (same name and shape; the other ranks do not use it)")
+                continue
+            pl = _held_placements(anns, mesh, local)
+            if isinstance(pl, str):  # an explicit layout over the holders' tensors
+                relations.append({"from": s, "layout": pl})
+                placed[s], held[s] = (local, None), (holders, None)
+                continue
+            relations.append({"from": s, "layout": submesh_layouts(local, pl, mesh, holders, repr(local))})
+            placed[s], held[s] = (local, None), (holders, pl)
             continue
         anns = {r: ranks[r].annotations.get(local) for r in ranks}
         distinct = {a.layout if a and a.layout else (tuple(a.placements), a.padded) if a else None for a in anns.values()}
@@ -435,6 +448,25 @@ def _relations(seq_cv: Converted, ranks: dict[int, _Rank], mesh: dict[str, int]
             relations.append(rel | {"placements": pl, "guessed": True})
         placed[s] = (local, pl)
     return relations, placed, guesses, held, flat_grads, grad_layouts
+
+
+def _held_placements(anns: dict[int, Annotation | None], mesh: dict[str, int], local: str) -> list[str] | str:
+    """The placements (or explicit layout) of a tensor only the ranks `anns` hold: every holder
+    must annotate it alike."""
+    distinct = {(a.layout, a.placements, a.padded, a.flat) if a else None for a in anns.values()}
+    if len(distinct) > 1:
+        shown = "; ".join(f"rank {r}: {a.describe() if a else 'none'}" for r, a in sorted(anns.items()))
+        raise CaptureError(f"{local!r}, held by ranks {sorted(anns)} only, is annotated differently on them ({shown})")
+    ann = anns[min(anns)]
+    assert ann is not None
+    if ann.padded is not None or ann.flat:
+        raise CaptureError(f"{local!r} is {ann.describe()} held by ranks {sorted(anns)} only: refine relates flat and "
+                           "padded shards held by every rank")
+    for r, a in anns.items():
+        check_groups(a, mesh, r, repr(local))  # type: ignore[arg-type]
+    if ann.layout is not None:
+        return ann.layout
+    return placements_on(ann, list(mesh), repr(local))
 
 
 def _flat_part(ann: Annotation, s: str, local: str, mesh: dict[str, int]
@@ -507,12 +539,13 @@ def _guess(seq: tuple[int, ...], local: tuple[int, ...], mesh: dict[str, int]) -
 
 
 def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tuple[str, list[str] | None]],
-                  mesh: dict[str, int], notes: list[str], held: dict[str, list[int]],
+                  mesh: dict[str, int], notes: list[str], held: dict[str, Held],
                   flat_grads: dict[str, tuple[tuple[str, int, tuple[int, ...]], list[int]]],
                   grad_layouts: dict[str, list[str]]) -> list[dict[str, Any]]:
     """The loss is Replicate (or equal on each rank that computes one: a pipeline's last
-    stage); each gradient is placed like its parameter (equal on each rank holding it; a
-    part of a flat shard's, in the flat gradient's shards as the part is in the parameter's)."""
+    stage); each gradient is placed like its parameter (a parameter only some ranks hold: in
+    each copy its holders' groups make, as the parameter is; a part of a flat shard's, in the
+    flat gradient's shards as the part is in the parameter's)."""
     with_loss = [r for r, rk in sorted(ranks.items()) if rk.traced.has_loss]
     if not with_loss:
         raise CaptureError("no rank's step returns the loss (each returned None)")
@@ -529,14 +562,21 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
         notes.append(f"parameter {p!r} requires grad but gets none in the sequential step: no gradient output")
     for p in seq_tr.grads:
         local, pl = placed[p]
-        holders = held.get(p, sorted(ranks))
+        holders = held[p][0] if p in held else sorted(ranks)
         for r in holders:
             if local not in ranks[r].traced.grads:
                 raise CaptureError(
                     f"the sequential step has a gradient for {p!r} but rank {r} has none for "
                     f"{local!r} (its .grad is None after the step: is the parameter used, does the loss reach it?)")
         if p in held:
-            out.append({"output": f"{p}.grad", "layout": [f"{local}.grad@{r}" for r in holders]})
+            # a DTensor gradient is placed as the program's autograd made it
+            hpl = _grad_placement(ranks, local, mesh, holders) or held[p][1]
+            if hpl is None or any(x.startswith("Partial") for x in hpl):
+                notes.append(f"{p}.grad: no expected placement ({p!r}, held by ranks {holders}, is not placed by "
+                             "Replicate/Shard); it must be reconstructible from the rank outputs (the default)")
+                continue
+            out.append({"output": f"{p}.grad", "layout": submesh_layouts(f"{local}.grad", hpl, mesh, holders,
+                                                                          f"{local!r}.grad")})
             continue
         if p in flat_grads:
             out.append({"output": f"{p}.grad", "layout": [flat_layout(f"{local}.grad", *flat_grads[p])]})
@@ -559,12 +599,16 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
     for p in seq_tr.updated:  # parameters the step updates in place: placed like the parameter
         local, pl = placed[p]
         name = updated_name(p)
-        holders = held.get(p, sorted(ranks))
+        holders = held[p][0] if p in held else sorted(ranks)
         for r in holders:
             if local not in ranks[r].traced.updated:
                 raise CaptureError(f"the sequential step updates {p!r} in place but rank {r} leaves {local!r} as it was")
-        if p in held:
-            out.append({"output": name, "layout": [f"{updated_name(local)}@{r}" for r in holders]})
+        if p in held and held[p][1] is not None and not any(x.startswith("Partial") for x in held[p][1]):
+            out.append({"output": name, "layout": submesh_layouts(updated_name(local), held[p][1], mesh, holders,
+                                                                   repr(updated_name(local)))})
+        elif p in held:
+            notes.append(f"{name}: no expected placement ({p!r}, held by ranks {holders}, is not placed by "
+                         "Replicate/Shard); checked by the default")
         elif p in flat_grads:
             out.append({"output": name, "layout": [flat_layout(updated_name(local), *flat_grads[p])]})
         elif pl is not None and not any(x.startswith("Partial") for x in pl):
@@ -580,9 +624,11 @@ def _expectations(seq_tr: Traced, ranks: dict[int, _Rank], placed: dict[str, tup
     return out
 
 
-def _grad_placement(ranks: dict[int, _Rank], local: str, mesh: dict[str, int]) -> list[str] | None:
-    """The placement a framework states for `local`'s gradient (a DTensor's), if any."""
-    anns = {r: rk.traced.grad_annotations.get(local) for r, rk in ranks.items()}
+def _grad_placement(ranks: dict[int, _Rank], local: str, mesh: dict[str, int], holders: list[int] | None = None
+                    ) -> list[str] | None:
+    """The placement a framework states for `local`'s gradient (a DTensor's), if any, on the
+    ranks holding it (`holders`, default all)."""
+    anns = {r: rk.traced.grad_annotations.get(local) for r, rk in ranks.items() if holders is None or r in holders}
     if all(a is None for a in anns.values()):
         return None
     pls = {r: placements_on(a, list(mesh), f"{local}.grad") if a is not None else None for r, a in anns.items()}
