@@ -10,7 +10,7 @@ import pytest
 
 from models.capture import sp_residual as M
 from refine import capture
-from tests.helpers import wrong_numerically
+from tests.helpers.capture import wrong_numerically
 
 
 @pytest.mark.parametrize("world,layers", [(2, 2), (4, 2), pytest.param(4, 3, marks=pytest.mark.slow)])
