@@ -20,8 +20,8 @@ def test_refines(world: int, layers: int) -> None:
 
 
 def test_the_residual_stream_is_related_as_its_sequence_pieces() -> None:
-    """The relation the proof keeps for the stream after the first block is the concat of
-    the ranks' pieces along the sequence, not a sum of every rank's partial terms."""
+    """The relations the proof keeps for the forward's stream are over one piece per rank,
+    not sums of every rank's partial terms (4 more per block at TP 4)."""
     from refine.check import case_features, engine_for
     from refine.ops.lower import lower
     from refine.prove.copies import join_copies
@@ -36,11 +36,12 @@ def test_the_residual_stream_is_related_as_its_sequence_pieces() -> None:
     join_copies(c.seq, c.dist, prog, engine, c.registry)
     settle(prog, engine, c.registry)
     inf = infer(core, inputs, prog, engine, c.registry)
-    adds = [n.name for n in core.nodes if n.op == "Sum" and len(n.type.shape) == 3
+    loss = core.nodes.index(next(n for n in core.nodes if n.name == core.output("loss").ref))
+    adds = [n.name for n in core.nodes[:loss] if n.op == "Sum" and len(n.type.shape) == 3
             and inf.clean.get(n.name) and inf.relations[n.name].op in ("cat", "Sum")]
-    assert adds, "no residual add related"
-    first = inf.relations[adds[0]]
-    assert first.op == "cat" and len(first.leaves()) == 4, first
+    assert len(adds) >= 2, "no residual adds related"
+    partial = {a: str(inf.relations[a]) for a in adds if len(inf.relations[a].leaves()) > 4}
+    assert not partial, partial
 
 
 def test_norm_grad_not_reduced_does_not_refine() -> None:
