@@ -32,10 +32,6 @@ capture writes FSDP2's communication into the trace (refine.frontends.capture.fs
 
 Left out of PROGRAM:
 
-- TP 4 with sequence parallelism (`make_case("tp4", sequence_parallel=True)`): UNPROVEN, the
-  proof stops at the final norm's `pow` (decoder.py:240) over [B, S/4, H] sequence shards
-  (issue 23's "[B,S,H] + SP at TP4/TP8 at the RMSNorm pow").
-
 - loss parallel (torchtitan's `_LossParallelCrossEntropy` on the vocab-sharded logits,
   `make_case(config, loss_parallel=True)`): it captures (its backward's
   `grad_input[row_idx, local_labels] = grad_update` writes distinct positions) and its
@@ -71,6 +67,7 @@ PROGRAM = Program(
         "tp2_sp": "TP 2, sequence parallel (torchtitan's default), logits gathered",
         "tp2": "TP 2 without sequence parallel, logits gathered",
         "tp4": "TP 4 without sequence parallel, logits gathered",
+        "tp4_sp": "TP 4, sequence parallel, logits gathered",
         "fsdp2": "torchtitan's parallelize_llama: FSDP2 over dp_shard 2 (padded shards), the batch split over it",
         "fsdp2_tp2": "torchtitan's parallelize_llama: FSDP2 over dp_shard 2 x TP 2 with sequence parallel",
     },

@@ -309,6 +309,32 @@ def exchanges_near(prog: DistProgram, leaves: set[str], hops: int) -> bool:
     return False
 
 
+def scatters_near(prog: DistProgram, leaves: set[str], hops: int) -> list[tuple[int, ...]]:
+    """The rank groups of the reduce_scatters, all_gathers and all_to_alls a rank sends one of
+    `leaves` to (through views, slices, concats, sums) within `hops` uses: where what the
+    leaves make is held in
+    pieces, one per rank, around an exchange (sequence parallelism's reduce-scatter, its
+    gradient's all-gather)."""
+    layer, seen = set(leaves), set(leaves)
+    groups: list[tuple[int, ...]] = []
+    for _ in range(hops):
+        nxt: set[str] = set()
+        for x in sorted(layer):
+            for u in prog.users.get(x, ()):
+                node, d = prog.nodes.get(u), prog.defs.get(u)
+                if node is not None and node.op in ("reduce_scatter", "all_gather", "all_to_all"):
+                    g = tuple(node.attrs["group"])
+                    if g not in groups:
+                        groups.append(g)
+                    continue
+                if u in seen or d is None or d.op not in _WALK_OPS | {"Sum"}:
+                    continue
+                seen.add(u)
+                nxt.add(u)
+        layer = nxt
+    return groups
+
+
 def _cat_of_own_buffer(prog: DistProgram, x: str) -> bool:
     d = prog.defs[x]
     assert d is not None

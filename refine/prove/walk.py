@@ -15,6 +15,10 @@ strategies, tried in order until one gives a clean relation (refine.prove.policy
 - `side`: where a use's other operand is computed from available tensors by a few ops, a
   step with that chain along (refine.prove.frontier.frontier's `side`).
 
+A clean relation that sums rank tensors the ranks exchange in pieces (a reduce-scatter, an
+all-gather) is then restated, when the e-graph proves it, as the concat of those pieces
+(`_pieces`): the relations of a sequence-parallel residual stream stay one piece per rank.
+
 Which strategies apply to a node is decided by the node alone (`_plan`); the policy can only
 leave some out. What the walk learns (tensors found equal, opaque leaves for unclean nodes)
 is kept in its own view of the program (DistProgram.walk_view), not in the program the
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from refine.ir.graph import Graph, Node
-from refine.ir.term import OPAQUE, Term, depth, opaque
+from refine.ir.term import OPAQUE, Term, cat, depth, opaque
 from refine.ops.registry import COMPUTE, Registry
 from refine.prove.engine import Engine
 from refine.prove.frontier import (
@@ -37,6 +41,8 @@ from refine.prove.frontier import (
     counterparts,
     exchanges_near,
     frontier,
+    scatters_near,
+    structural_ancestry,
     users_of_class,
     with_replicas,
     writes_back_near,
@@ -223,6 +229,61 @@ def _side(s: _Search) -> Found | None:
     return tensors, s.step(tensors)
 
 
+def _pieces(s: _Search, partial: StepResult) -> StepResult | None:
+    """A clean relation with a sum in it (rank tensors concatenated and summed), where the
+    ranks exchange its terms in pieces (a reduce-scatter, an all-gather, an all-to-all), as
+    the concat of one rank tensor per member of that group along one dim, when that holds.
+    Both are clean, but a user of the sum carries every rank's partial term (a
+    sequence-parallel residual stream after two layers is a sum of 5 terms per rank, 20 at
+    TP 4; its gradient a concat of per-rank sums), and a nonlinear user (a norm's square)
+    must find the pieces anyway, from ever more terms, until its e-graph outgrows the step;
+    extraction alone does not prefer the pieces (they cost as much as the sum's terms).
+    Each candidate, a same-named tensor on the ranks of a group reached, tiling the node's
+    shape along one dim, is a check in one e-graph over the structural chain (both sides
+    rewritten): only a proven equality replaces the relation."""
+    w = s.walk
+    leaves = partial.best.leaves()
+    # a concat of one piece per member is as small as a relation over the group gets
+    groups = [g for g in scatters_near(w.prog, leaves, w.policy.wide_hops) if len(leaves) > len(g)]
+    if not groups:
+        return None
+    tensors = frontier(w.prog, with_replicas(w.prog, leaves), s.known, s.hops[0], s.offered, structural=True,
+                       policy=w.policy)
+    shape = s.node.type.shape
+    by_base: dict[str, set[int]] = {}
+    for x in tensors:
+        base, _, r = x.rpartition("@")
+        if r.isdigit():
+            by_base.setdefault(base, set()).add(int(r))
+    checks: list[Term] = []
+    for base, ranks in sorted(by_base.items()):
+        for g in groups:
+            if not set(g) <= ranks:
+                continue
+            t = w.prog.types.get(f"{base}@{g[0]}")
+            if t is None or len(t.shape) != len(shape) or any(w.prog.types[f"{base}@{r}"] != t for r in g):
+                continue
+            for d in range(len(shape)):
+                # concrete sizes only: a symbolic one (refine.ir.sizes) compares to no bool
+                tiles = all(isinstance(x, int) and isinstance(y, int) and (x * len(g) == y if i == d else x == y)
+                            for i, (x, y) in enumerate(zip(t.shape, shape, strict=True)))
+                if tiles:
+                    checks.append(cat([Term("D", (), (f"{base}@{r}",)) for r in g], d))
+    if not checks:
+        return None
+    # how the sum's own terms are built by the relation language's ops (a gathered gradient
+    # is a concat of what each rank gathered), and the candidates' terms rewritten too
+    tensors += [x for x in structural_ancestry(w.prog, sorted(leaves), w.policy.expect_hops) if x not in set(tensors)]
+    res = w.engine.step(partial.best, w.prog, w.registry, tensors, checks=checks, both=True)
+    held = [c for c, ok in zip(checks, res.checks, strict=True) if ok]
+    if not held:
+        return None
+    return StepResult(held[0], res.cost, [], [], res.seconds)
+
+
+_PLAIN = frozenset({"D", "cat", "Sum"})  # rank tensors, concatenated and summed
+
+
 _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("replay", _replay),
     Strategy("near", _hop(lambda p: p.near_hops)),
@@ -280,6 +341,10 @@ class _Walk:
             self.ran[name] += 1
             # the last one run is the node's result: clean, or its best term for the report
             found, by = got, name
+        if found is not None and found[1].clean and by != "replay" and "Sum" in found[1].best.ops() <= _PLAIN:
+            pieces = _pieces(s, found[1])
+            if pieces is not None:
+                found = (found[0], pieces)
         if found is None:  # every strategy that applies left out by the policy: nothing proven
             return [], StepResult(s.term, COMPUTE, [], [], 0.0)
         if found[1].clean:
