@@ -369,8 +369,10 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
             # position by position, so any view: a rank that reduces without keepdim and
             # applies the op after (log of Megatron's all-reduced sum of exps, [s, b]) holds
             # the view of the op on the kept dims the sequential log-softmax computes
+            # (concrete sizes only: with symbols, the new views meet the reshape rules' size
+            # arithmetic on shapes it does not cover)
             out.append(rewrite(f"view-into-{op.name}", f"(view ({op.name} x{tail}) s)",
-                               f"({op.name} (view x s){tail})"))
+                               f"({op.name} (view x s){tail})", symbolic=False))
     for op in reg.of_kind("elementwise"):
         attrs = " ".join(_vars(len(op.attrs), "u"))
         tail = f" {attrs}" if attrs else ""

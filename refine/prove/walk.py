@@ -117,6 +117,8 @@ class Inference:
     # strategy -> how many nodes it ran on, and how many times its result was the relation kept
     ran: Counter[str] = field(default_factory=Counter)
     kept: Counter[str] = field(default_factory=Counter)
+    # unclean nodes whose users saw their term rather than an opaque leaf (Policy.carry_ops)
+    carried: set[str] = field(default_factory=set)
 
 
 def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
@@ -331,14 +333,16 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     walk = _Walk(view, engine, registry, policy, fusing, replayer)
     carried: set[str] = set()  # unclean nodes whose users see their term (Policy.carry_ops)
     # ... of them, those whose carry began at a floating-point value (not a mask or index):
-    # an intermediate the ranks may hold only fused into its users. Their users make one
-    # step, the carried one (with side chains); in a wrong program none of them relates and
+    # an intermediate the ranks may hold only fused into its users. Their users try near,
+    # then the carried step (with side chains), no other; in a wrong program none relates and
     # each such step runs its whole bound, so a term whose step was cut short is not carried
     # further: its users would only search a larger e-graph for the same wrong value
     values: set[str] = set()
     # ... and only along a chain: a value with several users is one the ranks compute once
     # and reuse (they would have to fuse it into each user apart), and carried into every
-    # user of every user, a wrong value would be searched for over a whole backward pass
+    # user of every user, a wrong value would be searched for over a whole backward pass.
+    # Concrete sizes only: with symbols, a carried wrong value (an all-gather along the wrong
+    # dim) meets size arithmetic of the reshape rules that fails on a non-integer size
     n_users = Counter(a for n in seq.nodes for a in set(n.tensor_args()))
     outputs = {o.ref for o in seq.outputs}  # a checked value is never only its users' business
     for n in seq.nodes:
@@ -350,11 +354,11 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
         over_value = any(a in values for a in n.args if isinstance(a, str))
         tries, hops = _plan(n, ops, over_fused, over_carried, fusing, policy)
         if over_value and not over_fused and OPAQUE not in ops:
-            tries, hops = ["carried"], (policy.carry_hops,)
+            tries, hops = ["near", "carried"], (policy.near_hops, policy.carry_hops)
         offers = _offered_to(n, offered)
         cps = set(offers)
         tensors, res = walk.search(_Search(walk, n, term, ops, leaves, known | cps, cps, hops), tries,
-                                   retries=tries != ["carried"])
+                                   retries=not (over_value and tries == ["near", "carried"]))
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
@@ -381,7 +385,8 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             clean[n.name] = False
             value = over_value or (not over_carried and n.type.dtype.startswith(("float", "bfloat")))
             if OPAQUE not in ops and _dag_size(term) <= policy.carry_ops and depth(term) <= policy.term_depth \
-                    and not (value and (res.bounded or n_users[n.name] != 1 or n.name in outputs)):
+                    and not (value and (res.bounded or n_users[n.name] != 1 or n.name in outputs
+                                        or engine.symbolic)):
                 # a small unclean term is carried to its users (inlined into their terms), and
                 # so is what is computed from it: the ranks may never hold it, only what its
                 # users compute, fused. A mask or index: no rank holds the sequential mask over
@@ -419,7 +424,7 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
                 any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
             absorbed.add(n.name)
             del clean[n.name]
-    return Inference(shown, clean, steps, view, walk.ran, walk.kept)
+    return Inference(shown, clean, steps, view, walk.ran, walk.kept, carried)
 
 
 def _dag_size(t: Term) -> int:
