@@ -365,6 +365,14 @@ def RULES(reg: Registry) -> list[Rule]:  # noqa: N802 - a rule file's export
                            f"(cat ({op.name} a{tail}) ({op.name} b{tail}) d)"))
         out.append(rewrite(f"slice-into-{op.name}", f"(slice ({op.name} x{tail}) d s e)",
                            f"({op.name} (slice x d s e){tail})"))
+        if op.name != "Scale":  # view-scale (structure.py)
+            # position by position, so any view: a rank that reduces without keepdim and
+            # applies the op after (log of Megatron's all-reduced sum of exps, [s, b]) holds
+            # the view of the op on the kept dims the sequential log-softmax computes
+            # (concrete sizes only: with symbols, the new views meet the reshape rules' size
+            # arithmetic on shapes it does not cover)
+            out.append(rewrite(f"view-into-{op.name}", f"(view ({op.name} x{tail}) s)",
+                               f"({op.name} (view x s){tail})", symbolic=False))
     for op in reg.of_kind("elementwise"):
         attrs = " ".join(_vars(len(op.attrs), "u"))
         tail = f" {attrs}" if attrs else ""
@@ -431,11 +439,22 @@ SAMPLES = {
 
 
 def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
-    """A product next to its swap (mul-comm-existing joins them; alone, neither is swapped)."""
+    """A product next to its swap (mul-comm-existing joins them; alone, neither is swapped);
+    views of each unary op (view-into-*), reshaped and with a unit dim dropped."""
     out: list[Term] = []
     for _ in range(gen.instances):
         a, b = gen.leaf((2, 3)), gen.leaf((2, 3))
         out += [Term("mul_t", (a, b)), Term("mul_t", (b, a)), Term("mul_t", (b, gen.leaf((2, 3))))]
+        for name in sorted(n for n, op in gen.core.items() if op.kind == "unary" and n != "Scale"):
+            inst = gen.instance(name)
+            if inst is None:
+                continue
+            specs, attrs = inst
+            shape, kind, bound = specs[0]
+            x = gen.build(name, [gen.leaf(shape, kind, bound)], attrs)
+            out.append(Term("view", (x,), (gen.refactor(shape),)))
+            kept = gen.build(name, [gen.leaf((*shape, 1), kind, bound)], attrs)
+            out.append(Term("view", (kept,), (shape,)))
     return out
 
 

@@ -33,10 +33,11 @@ terms apart, masks and averages each as F.cross_entropy does, and whose backward
 through the gradient at the log-probs and its all-reduced sum over the vocab, refines
 (models/capture/vocab_ce.py). Megatron's fused forms compute the same values but not those
 intermediates: mixing the smoothing term in per token before masking
-(`vocab_ce.make_case(fused=True)`) is numerically right but DOES NOT REFINE; relating it
-needs a sequential node with no rank counterpart accepted when its users together have one.
-Megatron's backward `softmax - one_hot` (which uses `sum(grad) = -grad_scale`) has no rank
-tensor for the sequential gradient at the log-probs either.
+(`vocab_ce.make_case(fused=True)`) refines because the walk carries the masked nll, a
+small value with one user, into its users (refine.prove.walk.infer). Megatron's backward
+`softmax - one_hot` (which uses `sum(grad) = -grad_scale`) has no rank tensor for the
+sequential gradient at the log-probs, a value with several users, and no rule relates a
+one-hot window written at flat indices (`grad[arange, masked] = ...`) to the scatter.
 """
 
 from __future__ import annotations

@@ -28,7 +28,11 @@ The step averages the per-token losses over the tokens that are not ignored.
   lookup at the clamped index 0 is summed in);
 - "predicted_not_all_reduced": each rank keeps its own predicted logit (zero when the target
   is elsewhere);
-- "ignored_in_denominator": the mean divides by every token, ignored ones included.
+- "ignored_in_denominator": the mean divides by every token, ignored ones included;
+- "sum_exp_not_all_reduced": each rank normalizes by its own sum of exps;
+- "backward_sum_not_all_reduced": the backward's sum over the vocab is each rank's own;
+- "backward_scaled": the backward's gradient at the logits scaled by the ranks' count (an
+  average over the tensor-parallel group undone twice).
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ BUGS: dict[str, dict[str, object]] = {  # bug -> the make_case arguments of its 
     "target_mask_missing": {},
     "predicted_not_all_reduced": {},
     "ignored_in_denominator": {},
+    "sum_exp_not_all_reduced": {},
+    "backward_sum_not_all_reduced": {},
+    "backward_scaled": {},
 }
 
 
@@ -97,7 +104,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if bug != "max_not_all_reduced":
             local_max = funcol.all_reduce(local_max, "max", group)
         shifted = logits - local_max
-        sum_exp = funcol.all_reduce(shifted.exp().sum(-1, keepdim=True), "sum", group)
+        sum_exp = shifted.exp().sum(-1, keepdim=True)  # BUG: sum_exp_not_all_reduced
+        if bug != "sum_exp_not_all_reduced":
+            sum_exp = funcol.all_reduce(sum_exp, "sum", group)
         log_probs = shifted - sum_exp.log()
         # ignored targets point at 0, then everything outside [start, end) is masked
         safe = torch.where(target != IGNORE, target, 0).unsqueeze(-1)
@@ -111,7 +120,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         nll = -predicted.squeeze(-1)
         smooth = -funcol.all_reduce(log_probs.sum(-1), "sum", group)
         ctx.save_for_backward(log_probs, local_target, mask)
-        ctx.group = group
+        ctx.group, ctx.bug = group, bug
         return nll, smooth
 
     @staticmethod
@@ -122,8 +131,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         log_probs, local_target, mask = ctx.saved_tensors
         one_hot = torch.zeros_like(log_probs).scatter(-1, local_target, -1.0).masked_fill(mask, 0.0)
         grad_lp = one_hot * grad_nll.unsqueeze(-1) - grad_smooth.unsqueeze(-1)
-        total = funcol.all_reduce(grad_lp.sum(-1, keepdim=True), "sum", ctx.group)
-        return grad_lp - log_probs.exp() * total, None, None, None
+        total = grad_lp.sum(-1, keepdim=True)  # BUG: backward_sum_not_all_reduced
+        if ctx.bug != "backward_sum_not_all_reduced":
+            total = funcol.all_reduce(total, "sum", ctx.group)
+        grad = grad_lp - log_probs.exp() * total
+        if ctx.bug == "backward_scaled":
+            grad = grad * dist.get_world_size(ctx.group)  # BUG: backward_scaled
+        return grad, None, None, None
 
 
 class VocabParallelLMHead(nn.Module):

@@ -66,10 +66,11 @@ class Policy:
     # stands for would pass a term one op deeper at every node. Relations over rank tensors
     # are a few ops deep.
     term_depth: int = 64
-    # An unclean bool/integer node (a mask, an index) over at most this many distinct ops
-    # is passed to its users as its term instead of an opaque leaf: ranks often hold only
-    # what a mask selects (a sharded lookup's range test), never the mask itself, so the
-    # relation exists only at the mask's users. Larger terms would grow every later e-graph.
+    # An unclean node over at most this many distinct ops is passed to its users as its
+    # term instead of an opaque leaf: ranks often hold only what a mask selects (a sharded
+    # lookup's range test), never the mask itself, and only what a fused computation makes
+    # of an intermediate (Megatron's log(sum_exp) - logit for the log-probs' lookup), so the
+    # relation exists only at its users. Larger terms would grow every later e-graph.
     carry_ops: int = 16
     # ... and the reach of its users' retry: the ranks' counterpart of a carried term is as
     # far as the chain it stands for.

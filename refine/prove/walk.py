@@ -7,7 +7,9 @@ strategies, tried in order until one gives a clean relation (refine.prove.policy
 - `near`, `wide`: a step over the rank tensors within Policy.near_hops, then wide_hops, uses
   of the inputs' tensors;
 - `deep`: instead of `wide` over a fused op's term, a step Policy.deep_hops uses deep;
-- `carried`: instead of `wide` over a carried mask's term, a step Policy.carry_hops deep;
+- `carried`: instead of `wide` over a carried term (an unclean node's, small: a mask, an
+  intermediate the ranks only hold fused into its users), a step Policy.carry_hops deep,
+  with side chains;
 - `write_back`: where the ranks write the inputs' tensors back into a buffer, a step over
   the structural chain (refine.prove.frontier.frontier's `structural`);
 - `relayout`: where the ranks send the inputs' tensors through an all_to_all (a re-layout,
@@ -121,6 +123,8 @@ class Inference:
     # strategy -> how many nodes it ran on, and how many times its result was the relation kept
     ran: Counter[str] = field(default_factory=Counter)
     kept: Counter[str] = field(default_factory=Counter)
+    # unclean nodes whose users saw their term rather than an opaque leaf (Policy.carry_ops)
+    carried: set[str] = field(default_factory=set)
 
 
 def node_term(n: Node, rel: dict[str, Term], registry: Registry) -> Term:
@@ -176,10 +180,10 @@ class Strategy:
     run: Callable[[_Search], Found | None]
 
 
-def _hop(reach: Callable[[Policy], int], iterations: Callable[[Policy], int] = lambda p: 0) -> \
+def _hop(reach: Callable[[Policy], int], iterations: Callable[[Policy], int] = lambda p: 0, side: bool = False) -> \
         Callable[[_Search], Found | None]:
     def run(s: _Search) -> Found:
-        tensors = s.frontier(reach(s.walk.policy))
+        tensors = s.frontier(reach(s.walk.policy), side=side)
         return tensors, s.step(tensors, iterations=iterations(s.walk.policy))
     return run
 
@@ -289,7 +293,9 @@ _BY_NAME: dict[str, Strategy] = {s.name: s for s in (
     Strategy("near", _hop(lambda p: p.near_hops)),
     Strategy("wide", _hop(lambda p: p.wide_hops)),
     Strategy("deep", _hop(lambda p: p.deep_hops, lambda p: p.deep_iterations)),
-    Strategy("carried", _hop(lambda p: p.carry_hops)),
+    # with side chains: the ranks' fused value also reads what they computed from tensors
+    # known already (Megatron's per-token mix of the nll with the smoothing term)
+    Strategy("carried", _hop(lambda p: p.carry_hops, side=True)),
     Strategy("write_back", _write_back),
     Strategy("relayout", _relayout),
     Strategy("side", _side),
@@ -307,9 +313,10 @@ def _plan(n: Node, ops: set[str], over_fused: bool, over_carried: bool, fusing: 
     if OPAQUE not in ops and over_fused:
         tries = ["near", "deep"]  # over a fused term: its rank counterpart lies far downstream
     elif OPAQUE not in ops and over_carried:
-        # the ranks' counterpart of a carried term is as far as its chain; a view of one
-        # (the rank holds no more of it than of the term) is searched near only
-        tries = ["near"] if n.op in _STRUCTURAL else ["near", "carried"]
+        # the ranks' counterpart of a carried term is as far as its chain; a view or scale of
+        # one (the rank holds no more of it than of the term) is searched near only, a sum or
+        # concat deeper (it combines the term with others, as the ranks may have done first)
+        tries = ["near"] if n.op in _STRUCTURAL - {"Sum", "cat"} else ["near", "carried"]
     reach = {"near": policy.near_hops, "wide": policy.wide_hops, "deep": policy.deep_hops,
              "carried": policy.carry_hops}
     return tries, tuple(reach[t] for t in tries)
@@ -326,11 +333,12 @@ class _Walk:
     ran: Counter[str] = field(default_factory=Counter)
     kept: Counter[str] = field(default_factory=Counter)
 
-    def search(self, s: _Search, tries: list[str]) -> Found:
-        """The strategies for the node, in order, until one gives a clean relation."""
+    def search(self, s: _Search, tries: list[str], retries: bool = True) -> Found:
+        """The strategies for the node, in order, until one gives a clean relation
+        (`retries`: the structural and side retries after `tries`)."""
         found: Found | None = None
         by = ""
-        for name in ["replay", *tries, "write_back", "relayout", "side"]:
+        for name in ["replay", *tries, *(("write_back", "relayout", "side") if retries else ())]:
             if found is not None and found[1].clean:
                 break
             if not self.policy.uses(name):
@@ -362,7 +370,9 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     hold. The exception is a fused op (`Op.fuse`: softmax, which blockwise attention never
     materialises): with no clean relation near its inputs, its users see it as the op over
     its inputs' relations and search the rank program `Policy.deep_hops` uses deep for
-    their own counterpart.
+    their own counterpart. So is a small unclean term of any other op (Policy.carry_ops):
+    its users see it inlined, and a carried node a clean user takes in is left out of
+    `clean` (a sequential output never is).
 
     A node whose term has the shape of an earlier clean step's is first offered to
     `refine.prove.reuse.Replayer` (the `replay` strategy): that step's premises renamed onto
@@ -387,16 +397,33 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
     replayer = Replayer(view, engine.stats, engine.fired) if policy.uses("replay") else None
     walk = _Walk(view, engine, registry, policy, fusing, replayer)
     carried: set[str] = set()  # unclean nodes whose users see their term (Policy.carry_ops)
+    # ... of them, those whose carry began at a floating-point value (not a mask or index):
+    # an intermediate the ranks may hold only fused into its users. Their users try near,
+    # then the carried step (with side chains), no other; in a wrong program none relates and
+    # each such step runs its whole bound, so a term whose step was cut short is not carried
+    # further: its users would only search a larger e-graph for the same wrong value
+    values: set[str] = set()
+    # ... and only along a chain: a value with several users is one the ranks compute once
+    # and reuse (they would have to fuse it into each user apart), and carried into every
+    # user of every user, a wrong value would be searched for over a whole backward pass.
+    # Concrete sizes only: with symbols, a carried wrong value (an all-gather along the wrong
+    # dim) meets size arithmetic of the reshape rules that fails on a non-integer size
+    n_users = Counter(a for n in seq.nodes for a in set(n.tensor_args()))
+    outputs = {o.ref for o in seq.outputs}  # a checked value is never only its users' business
     for n in seq.nodes:
         term = node_term(n, down, registry)
         leaves = term.leaves()
         ops = term.ops()
         over_fused = any(a.ops() & fusing for a in term.args)
         over_carried = any(a in carried for a in n.args if isinstance(a, str))
+        over_value = any(a in values for a in n.args if isinstance(a, str))
         tries, hops = _plan(n, ops, over_fused, over_carried, fusing, policy)
+        if over_value and not over_fused and OPAQUE not in ops:
+            tries, hops = ["near", "carried"], (policy.near_hops, policy.carry_hops)
         offers = _offered_to(n, offered)
         cps = set(offers)
-        tensors, res = walk.search(_Search(walk, n, term, ops, leaves, known | cps, cps, hops), tries)
+        tensors, res = walk.search(_Search(walk, n, term, ops, leaves, known | cps, cps, hops), tries,
+                                   retries=not (over_value and tries == ["near", "carried"]))
         shown[n.name] = res.best
         steps[n.name] = res
         known |= res.best.leaves()
@@ -421,13 +448,22 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             down[n.name] = term
         else:
             clean[n.name] = False
-            masks = not n.type.dtype.startswith(("float", "bfloat")) or over_carried
-            if masks and OPAQUE not in ops and _dag_size(term) <= policy.carry_ops and depth(term) <= policy.term_depth:
-                # a small unclean mask or index (bool or integer), and what is computed from
-                # it, is carried to its users: no rank holds the sequential mask over the
-                # whole vocab, only what it selects (Megatron's vocab-parallel target lookup)
+            value = over_value or (not over_carried and n.type.dtype.startswith(("float", "bfloat")))
+            if OPAQUE not in ops and _dag_size(term) <= policy.carry_ops and depth(term) <= policy.term_depth \
+                    and not (value and (res.bounded or n_users[n.name] != 1 or n.name in outputs
+                                        or engine.symbolic)):
+                # a small unclean term is carried to its users (inlined into their terms), and
+                # so is what is computed from it: the ranks may never hold it, only what its
+                # users compute, fused. A mask or index: no rank holds the sequential mask over
+                # the whole vocab, only what it selects (Megatron's vocab-parallel target
+                # lookup); a value: the log-probs, where Megatron computes log(sum_exp) minus
+                # the looked-up logit, the nll masked on its own, where it mixes the smoothing
+                # term in per token first. The term is the node's value over its inputs'
+                # relations, so whatever a user's step proves over it holds
                 down[n.name] = term
                 carried.add(n.name)
+                if value:
+                    values.add(n.name)
             else:
                 view.opaque[n.name] = n.type
                 down[n.name] = opaque(n.name)
@@ -449,10 +485,11 @@ def infer(seq: Graph, inputs: dict[str, Term], prog: DistProgram, engine: Engine
             users.setdefault(a, []).append(n.name)
     absorbed: set[str] = set()
     for n in reversed(seq.nodes):
-        if n.name in carried and any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
+        if n.name in carried and n.name not in outputs and \
+                any(clean.get(u) or u in absorbed for u in users.get(n.name, ())):
             absorbed.add(n.name)
             del clean[n.name]
-    return Inference(shown, clean, steps, view, walk.ran, walk.kept)
+    return Inference(shown, clean, steps, view, walk.ran, walk.kept, carried)
 
 
 def _dag_size(t: Term) -> int:

@@ -25,8 +25,8 @@ report's. The culprit, among the ancestors of a failing output, in this order:
    squares counted on two pipeline stages). Each names the rank line at fault as `source`,
    `rank_node`, `rank_source`, and keeps the sequential node's own line as `seq_source`.
 
-Fused nodes (`Op.fuse`) and carried bool/int nodes (a mask every rank computes only for its
-own range) that a clean relation takes in are left out of the clean/unclean table, so
+Fused nodes (`Op.fuse`) and carried nodes (a mask every rank computes only for its own
+range, an intermediate the ranks only hold fused into its users) that a clean relation takes in are left out of the clean/unclean table, so
 localization names their users. The report shows the node's source line, its inputs'
 relations and the rank nodes that consume them; `refine.verdict.draw` turns the same data
 into a picture.

@@ -17,7 +17,7 @@ vocab-parallel cross-entropy does:
   all-reduced.
 
 Twins that must not refine: the lookup at a wrong vocab offset, the predicted logit not
-all-reduced.
+all-reduced, (Megatron's) the sum of exps not all-reduced.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def megatron_lookup(x: torch.Tensor, t: torch.Tensor, start: int, group: dist.Pr
     predicted[mask] = 0.0
     if bug != "predicted_not_all_reduced":
         predicted = funcol.all_reduce(predicted, "sum", group)
-    sum_exp = funcol.all_reduce(shifted.exp().sum(-1), "sum", group)
+    sum_exp = shifted.exp().sum(-1)
+    if bug != "sum_exp_not_all_reduced":
+        sum_exp = funcol.all_reduce(sum_exp, "sum", group)
     return torch.log(sum_exp) - predicted
 
 
@@ -126,12 +128,11 @@ def test_megatron_lookup_agrees(transposed: bool) -> None:
     assert wrong_numerically(capture(case("megatron", 2, transposed))) == set()
 
 
-@pytest.mark.xfail(strict=True, reason="UNPROVEN: capture translates `rows[arange, masked]` as a lookup at the flat "
-                   "index arange * n + masked; rules/masked_lookup.py relates that form (masked-lookup-flat-*), but "
-                   "the sequential gather's step holds no rank tensor past 3 uses of the ranks' logits and the flat "
-                   "index is 4 ops from the rank's target (Policy.near_hops, Policy.side_depth): the frontier "
-                   "does not reach the rank's lookup")
 def test_megatron_lookup_refines() -> None:
+    """Megatron never holds the log-probs, only log(sum_exp) - the looked-up logit: the
+    sequential log-softmax is carried into the gather (refine.prove.walk.infer), whose
+    relation is then the ranks' lookup at the flat index `arange * n + masked`
+    (rules/masked_lookup.py) minus the log of the all-reduced sum."""
     assert capture(case("megatron", 2, False)).check().verdict == "REFINES"
 
 
@@ -139,6 +140,16 @@ def test_megatron_lookup_refines() -> None:
 @pytest.mark.parametrize("bug", ["wrong_offset", "predicted_not_all_reduced"])
 def test_wrong_lookups_do_not_refine(form: str, bug: str) -> None:
     c = capture(case(form, 2, True, bug))
+    assert wrong_numerically(c) == {"loss"}
+    report = c.check()
+    assert report.verdict == "DOES NOT REFINE", report
+
+
+@pytest.mark.parametrize("bug", ["wrong_offset", "predicted_not_all_reduced", "sum_exp_not_all_reduced"])
+def test_wrong_megatron_lookups_do_not_refine(bug: str) -> None:
+    """The untransposed Megatron form, which refines by carrying the log-probs into the
+    gather: a bug inside that fused region is still no refinement."""
+    c = capture(case("megatron", 2, False, bug))
     assert wrong_numerically(c) == {"loss"}
     report = c.check()
     assert report.verdict == "DOES NOT REFINE", report

@@ -19,8 +19,8 @@ from refine.prove.policy import DEFAULT, STRATEGIES, Policy
 from tests.helpers import MODELS
 
 
-def _without(name: str) -> Policy:
-    return replace(DEFAULT, strategies=tuple(s for s in STRATEGIES if s != name))
+def _without(*names: str) -> Policy:
+    return replace(DEFAULT, strategies=tuple(s for s in STRATEGIES if s not in names))
 
 
 def _far(tmp_path: Path, transposes: int = 4) -> tuple[Path, Path]:
@@ -68,8 +68,11 @@ def test_a_far_counterpart_needs_the_wide_try(tmp_path: Path) -> None:
 
 def test_leaving_a_needed_strategy_out_does_not_refine(tmp_path: Path) -> None:
     """Without the wide try the ranks' exp is never reached: the node is unclean, and the
-    check says so at it instead of a REFINES it did not prove."""
-    report = check_files(*_far(tmp_path), policy=_without("wide"))
+    check says so at it instead of a REFINES it did not prove. (With only wide left out, exp
+    is carried into its one user, the output, whose expectation's step reaches the ranks'
+    neg: that refines; carry_ops=0 carries nothing.)"""
+    assert check_files(*_far(tmp_path), policy=_without("wide")).refines
+    report = check_files(*_far(tmp_path), policy=replace(_without("wide"), carry_ops=0))
     assert not report.refines
     assert report.culprit is not None and report.culprit.node == "e", str(report)
     assert report.stats["strategies"]["wide"] == {"ran": 0, "kept": 0}

@@ -82,9 +82,13 @@ def test_an_unrelated_tensor_is_opaque_to_its_users() -> None:
     assert not prog.opaque  # the program the walk read is frozen: what it learned is in its own view
     prog = inf.program
     unclean = [n for n in core.nodes if not inf.clean[n.name]]
-    assert unclean and all(n.name in prog.opaque for n in unclean)
+    # or carried (a small term with one user: refine.prove.walk.infer), then its user's own
+    # unclean term is opaque to the users after it
+    assert unclean and all(n.name in prog.opaque or n.name in inf.carried for n in unclean)
+    assert any(n.name in prog.opaque for n in unclean)
     users = [n for n in core.nodes if any(a in prog.opaque for a in n.tensor_args())]
-    assert users
+    # (an opaque node without users is the output its carried input was taken into)
+    assert users or all(n.name in {o.ref for o in core.outputs} for n in unclean if n.name in prog.opaque)
     for n in users:
         for a in n.tensor_args():
             if a in prog.opaque:
