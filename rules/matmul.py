@@ -151,6 +151,16 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rule("slice-matmul-batched-rows", ["(= e (slice (matmul a b) d s f))", "(> (ndim b) 2)",
                                            "(= d (- (ndim a) 2))"],
              ["(union e (matmul (slice a d s f) b))"]),
+        # the converse of the row rules, kept to products that exist (no slice term is made):
+        # rows of a product are the product of those rows. A sequence laid out in permuted
+        # chunks (head-tail context parallelism) meets the sequential product as one over a
+        # concat of slices of the ranks' inputs, whose products the ranks hold only whole.
+        rule("matmul-of-row-slice-existing", ["(= e (matmul (slice a d s f) b))", "(= u (matmul a b))",
+                                              "(< d (- (ndim a) 1))", "(= (ndim b) 2)"],
+             ["(union e (slice u d s f))"]),
+        rule("matmul-of-batched-row-slice-existing", ["(= e (matmul (slice a d s f) b))", "(= u (matmul a b))",
+                                                      "(> (ndim b) 2)", "(= d (- (ndim a) 2))"],
+             ["(union e (slice u d s f))"]),
         # a^T b is the transpose of b^T a, when that product exists (no term is made): a
         # batched product's backward forms a^T b (bmm's gradient of its transposed operand)
         # where the ranks compute b^T a (a flash-style backward's dK_j = dS_j^T Q)
@@ -199,4 +209,9 @@ def SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             i, j = len(batch), len(batch) + 1
             out += [Term("matmul", (Term("transpose", (a,), (i, j)), b)),
                     Term("matmul", (Term("transpose", (b,), (i, j)), a))]
+        # a product of some rows next to the product of all (one term, the rows stacked)
+        for batch in ((), (2,)):
+            a, b, d = gen.leaf((*batch, 3, 2)), gen.leaf((*batch, 2, 4)), len(batch)  # d: the row dim
+            rows = Term("matmul", (Term("slice", (a,), (d, 1, 3)), b))
+            out.append(Term("cat", (Term("matmul", (a, b)), rows), (d,)))
     return out

@@ -10,7 +10,7 @@ from refine.ir.graph import Arg, TensorType
 from refine.ir.lazy import F, torch
 from refine.ir.term import Term
 from refine.ops.lower import Builder
-from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite
+from refine.ops.registry import ArgSpec, Op, Rule, Sample, ShapeError, rewrite, rule
 
 
 def _along(ins: list[TensorType], attrs: dict[str, Any]) -> TensorType:
@@ -184,6 +184,21 @@ def RULES(reg: Any) -> list[Rule]:  # noqa: N802 - a rule file's export
         rewrite("slice-into-rms_norm", "(slice (rms_norm_c x w k eps) d s e)",
                 "(rms_norm_c (slice x d s e) w k eps)", "(< d (- (ndim x) k))"),
     ]
+    # the converse, kept to norms that exist (no slice term is made): rows of a norm are the
+    # norm of those rows. A sequence laid out in permuted chunks (head-tail context
+    # parallelism) relates the sequential norm to a concat of slices of the ranks' inputs,
+    # whose norms the ranks hold only whole.
+    out += [
+        rule("layer_norm-of-slice-existing", ["(= e (layer_norm_c (slice x d s f) w c k eps))",
+                                              "(= u (layer_norm_c x w c k eps))", "(< d (- (ndim x) k))"],
+             ["(union e (slice u d s f))"]),
+        rule("rms_norm-of-slice-existing", ["(= e (rms_norm_c (slice x d s f) w k eps))",
+                                            "(= u (rms_norm_c x w k eps))", "(< d (- (ndim x) k))"],
+             ["(union e (slice u d s f))"]),
+        rule("layer_norm_rstd_c-of-slice-existing", ["(= e (layer_norm_rstd_c (slice x d s f) eps))",
+                                                     "(= u (layer_norm_rstd_c x eps))", "(< d (- (ndim x) 1))"],
+             ["(union e (slice u d s f))"]),
+    ]
     return out
 
 
@@ -220,4 +235,10 @@ def SHARED_SEEDS(gen: Any) -> list[Term]:  # noqa: N802 - a rule file's export
             params = tuple(gen.leaf((3,)) for _ in range(n_params))
             out.append(Term(op, (c, *params), (1, 1e-5)))
             out.append(Term("slice", (Term(op, (gen.leaf((3, 3)), *params), (1, 1e-5)),), (0, 1, 3)))
+            x = gen.leaf((3, 3))  # a norm of some rows next to the norm of all (one term)
+            out.append(Term("cat", (Term(op, (x, *params), (1, 1e-5)),
+                                    Term(op, (Term("slice", (x,), (0, 1, 3)), *params), (1, 1e-5))), (0,)))
+        x = gen.leaf((3, 3))
+        out.append(Term("cat", (Term("layer_norm_rstd_c", (x,), (1e-5,)),
+                                Term("layer_norm_rstd_c", (Term("slice", (x,), (0, 0, 2)),), (1e-5,))), (0,)))
     return out
