@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import (
 from refine import capture
 
 B, S, H, FFN, OUT = 2, 8, 16, 32, 8
-BUGS = ("norm_grad_not_reduced",)
+BUGS: dict[str, dict[str, object]] = {"norm_grad_not_reduced": {}}  # bug -> the make_case arguments of its twin
 
 
 class Block(nn.Module):
@@ -51,7 +51,7 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(FFN, H, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.silu(self.fc1(self.norm(x))))
+        return x + self.fc2(F.silu(self.fc1(self.norm(x))))  # BUG: norm_grad_not_reduced (every norm)
 
 
 class Stack(nn.Module):
@@ -60,13 +60,13 @@ class Stack(nn.Module):
     def __init__(self, layers: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.norm = nn.RMSNorm(H, eps=1e-6)  # BUG: norm_grad_not_reduced
+        self.norm = nn.RMSNorm(H, eps=1e-6)
         self.head = nn.Linear(H, OUT, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:
             x = b(x)
-        return self.head(self.norm(x))
+        return self.head(self.norm(x))  # BUG: norm_grad_not_reduced
 
 
 def train_step(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,6 @@ def test_value_changing_casts_are_refused() -> None:
 def test_cast_rules_are_sound_and_none_crosses_a_sum() -> None:
     names = [r.name for r in REG.rules if "cast_float_t" in r.name]
     assert sorted(names) == ["cast_float_t-of-slice", "cast_float_t-out-of-transpose", "cast_float_t-out-of-view",
-                             "cast_float_t-over-cat", "slice-into-cast_float_t"]
+                             "cast_float_t-over-cat", "slice-into-cast_float_t", "view-into-cast_float_t"]
     for r in Harness(REG, seed=5).run(names):
         assert r.fired and not r.failures, (r.rule, r.failures[:3])
