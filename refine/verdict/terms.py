@@ -42,10 +42,9 @@ from refine.ops.interp import (
 )
 from refine.ops.lower import lower
 from refine.ops.registry import Registry
-from refine.verdict.factor import _outputs_ok, _rank_outputs, distances
+from refine.verdict.factor import REDUCTIONS, _outputs_ok, _rank_outputs, distances
 
 MAX_TRIES = 16  # terms dropped at most (each one evaluation of the rank programs)
-REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 @dataclass
