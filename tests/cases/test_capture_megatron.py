@@ -411,6 +411,10 @@ def test_megatron_gpt_with_its_own_cross_entropy_captures_and_agrees() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="UNPROVEN at the log-softmax itself since rules/layout_through.py lost "
+                   "sum-out-of-transpose (it grew e-graphs without end next to transpose-sum): the log-softmax's "
+                   "input relates as a pair sum of two transposes (the logits and minus their max), as for "
+                   "tests/cases/test_vocab_lookup.py's TRANSPOSED_SUM")
 def test_megatron_gpt_transposed_log_softmax_relates() -> None:
     """The log-softmax over the logits GPTModel hands back transposed ([b, s, v]) relates to the
     ranks' vocab-parallel max, exp and sum over their [s, b, v/tp] pieces (rules/layout_through.py:
