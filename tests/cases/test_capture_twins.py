@@ -73,6 +73,15 @@ CANNOT: dict[tuple[str, str], str] = {
         "the missing 1/micro is torch's own gradient scaling (scale_grads, a div_ inside the schedule, no user "
         "line): the wrong-constant repair names the loss function's line (line 82), where dividing each "
         "micro-batch loss by micro is the equivalent fix",
+    ("vocab_ce", "sum_exp_not_all_reduced"):
+        "the sum of exponentials is carried into its one user (refine.prove.walk.infer: no rank holds it "
+        "reduced), so the proof stops at the log-probabilities' line (110), where the missing all-reduce is "
+        "first read, not at the line making the partial sum (107)",
+    ("pp_tp", "stage1_missing_all_reduce"):
+        "the report names the schedule's step line: localize's wrong-message rule fires (the loss's relation "
+        "takes rank 2's partial residual while rank 3 adds its own partial to the activation it received) and "
+        "the partial-sum repair reads only relations whose top is a Sum, here a concat over micro-batches of "
+        "Sums (tests/cases/test_capture_pp_tp.py's strict xfail)",
     ("vocab_ce", "ignored_in_denominator"):
         "the draws never hit the ignore index -100, so the outputs agree (UNPROVEN); on draws that do, the wrong "
         "count is a constant of the division (target.numel(), line 154) that also scales its backward, so no "
@@ -89,6 +98,8 @@ SLOW: set[tuple[str, str]] = {
     ("megatron_mlp", "bias_before_all_reduce"), ("moe_ep", "router_grad_not_summed"),
     ("moe_ep", "combine_wrong_expert_order"), ("moe_ep", "gate_not_renormalized"),
     ("moe_router", "router_grad_not_summed"), ("pp_tied", "tied_grad_not_reduced"), ("tp_mlp", "bias_before_sum"),
+    ("pp_tp", "stage1_missing_all_reduce"), ("pp_tp", "grads_averaged_over_pp"),
+    ("sp_residual", "norm_grad_not_reduced"),
 }
 
 
