@@ -277,7 +277,8 @@ def _pieces(s: _Search, partial: StepResult) -> StepResult | None:
         return None
     # how the sum's own terms are built by the relation language's ops (a gathered gradient
     # is a concat of what each rank gathered), and the candidates' terms rewritten too
-    tensors += [x for x in structural_ancestry(w.prog, sorted(leaves), w.policy.expect_hops) if x not in set(tensors)]
+    have = set(tensors)
+    tensors += [x for x in structural_ancestry(w.prog, sorted(leaves), w.policy.expect_hops) if x not in have]
     res = w.engine.step(partial.best, w.prog, w.registry, tensors, checks=checks, both=True)
     held = [c for c, ok in zip(checks, res.checks, strict=True) if ok]
     if not held:
@@ -349,7 +350,8 @@ class _Walk:
             self.ran[name] += 1
             # the last one run is the node's result: clean, or its best term for the report
             found, by = got, name
-        if found is not None and found[1].clean and by != "replay" and "Sum" in found[1].best.ops() <= _PLAIN:
+        if found is not None and found[1].clean and by != "replay" and "Sum" in (ops := found[1].best.ops()) \
+                and ops <= _PLAIN:
             pieces = _pieces(s, found[1])
             if pieces is not None:
                 found = (found[0], pieces)

@@ -1,6 +1,6 @@
 """What several test modules share and a fixture cannot carry (they read it at import, in
 parametrize lists or module constants): the checkout's paths, the Entangle corpus's place,
-a writer of hand-made case documents, and the stand-in `torchgraph` classes that .gpickle
+a writer of hand-made case documents and their nodes, and the stand-in `torchgraph` classes that .gpickle
 files name."""
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ def write_pair(tmp: Path, seq: dict[str, Any], dist: dict[str, Any]) -> tuple[Pa
     (tmp / "seq.json").write_text(json.dumps(seq))
     (tmp / "dist.json").write_text(json.dumps(dist))
     return tmp / "seq.json", tmp / "dist.json"
+
+
+def graph_node(name: str, op: str, args: list[Any], shape: list[int], source: str | None = None,
+               **attrs: Any) -> dict[str, Any]:
+    """One node of a hand-made graph document: attributes and source line only when given."""
+    n: dict[str, Any] = {"name": name, "op": op, "args": args, "shape": shape}
+    if attrs:
+        n["attrs"] = attrs
+    if source:
+        n["source"] = source
+    return n
 
 
 @contextmanager

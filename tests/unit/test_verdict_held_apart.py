@@ -16,18 +16,9 @@ from refine.check import check_files
 from refine.frontends.graphfile import load_dist, load_seq
 from refine.ops.registry import load_registry
 from refine.verdict.missing_reduce import held_apart
+from tests.helpers import graph_node as _node
 
 REG = load_registry()
-
-
-def _node(name: str, op: str, args: list[Any], shape: list[int], source: str | None = None,
-          **attrs: Any) -> dict[str, Any]:
-    n: dict[str, Any] = {"name": name, "op": op, "args": args, "shape": shape}
-    if attrs:
-        n["attrs"] = attrs
-    if source:
-        n["source"] = source
-    return n
 
 
 def _case(tmp: Path, reduced: bool, lines: tuple[str, str] = ("f.py:1", "f.py:2"), scale: float = 1.0

@@ -20,18 +20,9 @@ from refine.frontends.graphfile import load_dist, load_seq
 from refine.ir.graph import Dist, Graph
 from refine.ops.registry import load_registry
 from refine.verdict.terms import wrong_term
+from tests.helpers import graph_node as _node
 
 REG = load_registry()
-
-
-def _node(name: str, op: str, args: list[Any], shape: list[int], source: str | None = None,
-          **attrs: Any) -> dict[str, Any]:
-    n: dict[str, Any] = {"name": name, "op": op, "args": args, "shape": shape}
-    if attrs:
-        n["attrs"] = attrs
-    if source:
-        n["source"] = source
-    return n
 
 
 def _norm_of(names: list[str], source: str, total: str = "t") -> list[dict[str, Any]]:
